@@ -1,0 +1,87 @@
+"""The storage interface every tier implements.
+
+A *backend* is a tier's root (a directory, a RAM budget, a remote store). It opens one
+*store* per namespace; a store holds records of that namespace only, so two layouts can never
+see each other's blocks. Store methods are blocking and thread-safe: the daemon calls them
+from its I/O threads, never from the receive loop.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from typing import Any, Iterable, Sequence
+
+
+class GetStatus(str, enum.Enum):
+    LOADED = "loaded"
+    MISS = "miss"
+    #: The record existed but failed its header or checksum check; it has been removed.
+    CORRUPT = "corrupt"
+
+
+class Store(abc.ABC):
+    """Records of one namespace in one tier."""
+
+    #: Tier name used in metrics and configuration ("file", "host", "remote").
+    tier: str = ""
+
+    @abc.abstractmethod
+    def put(self, key: str, payload: memoryview) -> int:
+        """Store one record; return the bytes it occupies. Raises ``NoSpace`` or
+        ``IOFailure``. Storing a key that exists replaces it (same key, same bytes)."""
+
+    @abc.abstractmethod
+    def get_into(self, key: str, out: memoryview) -> GetStatus:
+        """Read the record's payload into ``out`` (exactly the record size) and verify it.
+        Raises ``IOFailure`` when the medium fails; a missing or bad record is a status."""
+
+    @abc.abstractmethod
+    def contains(self, key: str) -> bool:
+        """Whether the record is stored (without reading or verifying its payload)."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> bool:
+        """Remove one record; True if it existed."""
+
+    @abc.abstractmethod
+    def clear(self) -> int:
+        """Remove every record of this namespace; return how many."""
+
+    @abc.abstractmethod
+    def usage(self) -> dict[str, int]:
+        """``{"records": n, "bytes": n}`` as far as this store knows."""
+
+    def close(self) -> None:
+        """Release what the store holds open."""
+
+    # -- batched forms: tiers with a cheaper batch path override these ---------------------
+
+    def put_many(self, items: Iterable[tuple[str, memoryview]]) -> list[int]:
+        return [self.put(key, payload) for key, payload in items]
+
+    def get_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[GetStatus]:
+        return [self.get_into(key, out) for key, out in zip(keys, outs)]
+
+    def contains_prefix(self, keys: Sequence[str]) -> int:
+        """How many leading keys are stored (stops at the first miss)."""
+        for i, key in enumerate(keys):
+            if not self.contains(key):
+                return i
+        return len(keys)
+
+    def delete_many(self, keys: Iterable[str]) -> int:
+        return sum(1 for key in keys if self.delete(key))
+
+
+class Backend(abc.ABC):
+    """A tier's root. ``open_store`` is called once per registered namespace."""
+
+    tier: str = ""
+
+    @abc.abstractmethod
+    def open_store(self, namespace: str, description: dict[str, Any], record_bytes: int) -> Store:
+        """The store for one namespace (fingerprint hex), creating it if needed."""
+
+    def close(self) -> None:
+        """Release the tier."""

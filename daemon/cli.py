@@ -1,0 +1,92 @@
+"""``kvswapd``: flags (each also read from ``KVSWAP_<FLAG>``) into a :class:`Config`, then
+:func:`run`. Nothing else happens here."""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+
+import click
+
+from kvswap import __version__
+
+from .config import Config, default_storage_dir
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+class ByteSize(click.ParamType):
+    """``268435456``, ``256M``, ``256MiB`` and ``256MB`` all mean 256 * 2**20 bytes."""
+
+    name = "bytes"
+
+    def convert(self, value, param, ctx):  # type: ignore[override]
+        if isinstance(value, int):
+            return value
+        match = _SIZE_RE.match(str(value))
+        if not match:
+            self.fail(f"{value!r} is not a size such as 4096, 256M or 2GiB", param, ctx)
+        unit = (match.group(2) or "").lower()[:1]
+        return int(match.group(1)) * _UNITS[unit]
+
+
+BYTES = ByteSize()
+_DEFAULTS = Config(storage_dir="")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@click.command(context_settings={"auto_envvar_prefix": "KVSWAP", "show_default": True,
+                                 "help_option_names": ["-h", "--help"]})
+@click.option("--host", default=_DEFAULTS.host, help="Address to bind the control socket and metrics endpoint to.")
+@click.option("--cache-queue-port", type=click.IntRange(0, 65535), default=_DEFAULTS.cache_queue_port,
+              help="The engine's cache-queue port: the ZMQ socket engines send commands to (0 = any free port).")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=_DEFAULTS.metrics_port,
+              help="HTTP port for /metrics, /healthz and /readyz (0 = any free port).")
+@click.option("--storage-dir", default=None,
+              help="Root directory of the file tier. [default: $FILE_BACKEND_STORAGE_DIR, else ./kvswap-store]")
+@click.option("--fsync", type=click.Choice(["none", "data", "strict"]), default=_DEFAULTS.fsync,
+              help="none: rely on checksums; data: fdatasync each record; strict: also fsync its directory.")
+@click.option("--write-threads", type=click.IntRange(1, 256), default=_DEFAULTS.write_threads,
+              help="Threads writing records.")
+@click.option("--read-threads", type=click.IntRange(1, 256), default=_DEFAULTS.read_threads,
+              help="Threads reading records.")
+@click.option("--write-staging-bytes", type=BYTES, default=_DEFAULTS.write_staging_bytes,
+              help="Staging memory for copied blocks awaiting their write; full means swap_out answers busy.")
+@click.option("--read-staging-bytes", type=BYTES, default=_DEFAULTS.read_staging_bytes,
+              help="Staging memory for swap_in.")
+@click.option("--default-timeout-ms", type=click.IntRange(1), default=_DEFAULTS.default_timeout_ms,
+              help="Deadline of a request that carries none.")
+@click.option("--drain-timeout-s", type=click.FloatRange(0), default=_DEFAULTS.drain_timeout_s,
+              help="On SIGTERM, how long in-flight requests and writes may take to finish.")
+@click.option("--max-inflight-requests", type=click.IntRange(1), default=_DEFAULTS.max_inflight_requests,
+              help="Requests handled at once; beyond this the daemon answers busy.")
+@click.option("--engine-check-interval-s", type=click.FloatRange(0.05), default=_DEFAULTS.engine_check_interval_s,
+              help="How often to check that the registered engine process is alive.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=_DEFAULTS.log_level)
+@click.version_option(__version__, prog_name="kvswapd")
+def main(**options: object) -> None:
+    """kvswapd: swaps an inference engine's paged KV-cache blocks to storage and back.
+
+    Every flag can also be set as an environment variable KVSWAP_<FLAG>, e.g.
+    KVSWAP_CACHE_QUEUE_PORT=55500.
+    """
+    from .server import run  # imported late so --help stays fast
+
+    options["storage_dir"] = options["storage_dir"] or default_storage_dir()
+    config = Config(**options)  # type: ignore[arg-type]
+    setup_logging(config.log_level)
+    try:
+        config.validate()
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    sys.exit(run(config))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,110 @@
+"""Prometheus instruments of one daemon, in a registry that daemon owns (so a test can run
+two daemons in one process), and the HTTP endpoint that serves them with health checks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvswap import __version__
+
+log = logging.getLogger(__name__)
+
+#: Request latency buckets, seconds: sub-millisecond pings to multi-second swaps.
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("kvswap_requests", "Requests answered, by op and outcome (ok or error).",
+                                ["op", "outcome"], registry=r)
+        self.errors = Counter("kvswap_errors", "Error replies, by op and error code.", ["op", "code"], registry=r)
+        self.latency = Histogram("kvswap_request_duration_seconds", "Time from receipt to answer, by op.", ["op"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("kvswap_requests_in_flight", "Requests received and not yet answered.", registry=r)
+        self.bytes = Counter("kvswap_bytes", "Payload bytes moved: out = engine to storage, in = storage to engine.",
+                             ["direction"], registry=r)
+        self.blocks = Counter("kvswap_blocks", "Blocks handled by swap_out and swap_in, by per-key status.",
+                              ["op", "status"], registry=r)
+        self.lookup_keys = Counter("kvswap_lookup_keys", "Keys answered by lookup: hit (in the stored prefix) or miss.",
+                                   ["result"], registry=r)
+        self.corrupt = Counter("kvswap_corrupt_records", "Records that failed their header or checksum check and "
+                               "were removed.", ["tier"], registry=r)
+        self.write_failures = Counter("kvswap_write_failures", "Records that could not be written, by error code.",
+                                      ["code"], registry=r)
+        self.pending_writes = Gauge("kvswap_pending_writes", "Records copied from the engine and not yet written.",
+                                    registry=r)
+        self.registered = Gauge("kvswap_registered", "1 while an engine cache is registered.", registry=r)
+        self.registrations = Counter("kvswap_registrations", "Registrations accepted, and released by reason.",
+                                     ["event"], registry=r)
+        self.stored_records = Gauge("kvswap_stored_records", "Records stored, per tier, for the registered namespace.",
+                                    ["tier"], registry=r)
+        self.stored_bytes = Gauge("kvswap_stored_bytes", "Bytes on the storage medium, per tier, for the registered "
+                                  "namespace.", ["tier"], registry=r)
+        self.staging_slots = Gauge("kvswap_staging_slots", "Staging slots, by pool and state.", ["pool", "state"],
+                                   registry=r)
+        self.scan_complete = Gauge("kvswap_index_scan_complete", "1 once the start-up scan of the store has indexed "
+                                   "every record.", ["tier"], registry=r)
+        info = Gauge("kvswap_build_info", "Always 1; labels say which build runs.", ["version"], registry=r)
+        info.labels(version=__version__).set(1)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class HealthServer:
+    """``/metrics``, ``/healthz`` (the process answers) and ``/readyz`` (it takes requests),
+    on the daemon's own event loop, so a wedged loop shows as a failed probe."""
+
+    def __init__(self, metrics: Metrics, ready: Callable[[], bool]) -> None:
+        self.metrics = metrics
+        self.ready = ready
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self, host: str, port: int) -> None:
+        self._server = await asyncio.start_server(self._serve, host, port, reuse_address=True)
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return self._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request_line = await asyncio.wait_for(reader.readline(), 5)
+            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
+                pass  # headers are not needed
+            parts = request_line.decode("latin-1").split()
+            path = parts[1].split("?", 1)[0] if len(parts) >= 2 else ""
+            method = parts[0] if parts else ""
+            status, ctype, body = self._route(method, path)
+            head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                    "Connection: close\r\n\r\n").encode()
+            writer.write(head + (body if method != "HEAD" else b""))
+            await writer.drain()
+        except (asyncio.TimeoutError, ConnectionError, UnicodeDecodeError):
+            pass
+        finally:
+            writer.close()
+
+    def _route(self, method: str, path: str) -> tuple[str, str, bytes]:
+        if method not in ("GET", "HEAD"):
+            return "405 Method Not Allowed", "text/plain", b"method not allowed\n"
+        if path == "/metrics":
+            return "200 OK", CONTENT_TYPE_LATEST, self.metrics.render()
+        if path == "/healthz":
+            return "200 OK", "text/plain", b"ok\n"
+        if path == "/readyz":
+            if self.ready():
+                return "200 OK", "text/plain", b"ready\n"
+            return "503 Service Unavailable", "text/plain", b"not ready\n"
+        return "404 Not Found", "text/plain", b"not found\n"

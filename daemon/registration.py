@@ -1,0 +1,147 @@
+"""An engine's registered cache: its layout, its memory mapped into the daemon, and the
+mover that copies blocks in and out of it.
+
+Everything an engine sends here is checked before anything is mapped for use: the region
+list must be exactly the layout's, every handle must be large enough for every block of every
+region placed in it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvswap.protocol.errors import InvalidLayout, OutOfRange
+from kvswap.protocol.layout import CacheLayout
+from kvswap.protocol.shm import SharedSegment
+
+from .copy_plan import Copy, Placement, copy_plan
+from .host_mover import HostMover
+
+log = logging.getLogger(__name__)
+
+
+def _int_field(entry: dict[str, Any], name: str, where: str, minimum: int = 0) -> int:
+    value = entry.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum or value >= 2**62:
+        raise InvalidLayout(f"{where}.{name} must be an integer >= {minimum}", field=f"{where}.{name}")
+    return value
+
+
+class Registration:
+    def __init__(self, layout: CacheLayout, placements: list[Placement], segments: list[SharedSegment],
+                 mover: HostMover, pid: int) -> None:
+        self.layout = layout
+        self.namespace = layout.fingerprint()
+        self.placements = placements
+        self.segments = segments
+        self.mover = mover
+        self.pid = pid
+
+    @property
+    def record_bytes(self) -> int:
+        return self.layout.record_bytes
+
+    @classmethod
+    def attach(cls, layout_wire: dict[str, Any], handles: Sequence[dict[str, Any]],
+               regions: Sequence[dict[str, Any]], pid: int) -> "Registration":
+        layout = CacheLayout.from_wire(layout_wire)
+        placements = cls._placements(layout, handles, regions)
+        segments: list[SharedSegment] = []
+        try:
+            for i, handle in enumerate(handles):
+                kind = handle.get("kind")
+                if kind != "shm":
+                    raise InvalidLayout(f"handles[{i}].kind {kind!r} is not supported by this daemon; use 'shm'",
+                                        field=f"handles[{i}].kind")
+                declared = _int_field(handle, "size", f"handles[{i}]", 1)
+                segment = SharedSegment.attach(handle.get("name"))  # type: ignore[arg-type]
+                segments.append(segment)
+                if segment.size < declared:
+                    raise InvalidLayout(f"handles[{i}] is {segment.size} bytes, smaller than the declared {declared}",
+                                        field=f"handles[{i}].size")
+            for p in placements:
+                need = p.end(layout.num_blocks)
+                have = segments[p.handle].size
+                if need > have:
+                    raise InvalidLayout(f"region {p.name} needs {need} bytes of handle {p.handle}, which has {have}",
+                                        region=p.name, need=need, have=have)
+            buffers = [np.frombuffer(s.buffer, dtype=np.uint8) for s in segments]
+        except BaseException:
+            for s in segments:
+                s.close()
+            raise
+        return cls(layout, placements, segments, HostMover(buffers), pid)
+
+    @staticmethod
+    def _placements(layout: CacheLayout, handles: Sequence[dict[str, Any]],
+                    regions: Sequence[dict[str, Any]]) -> list[Placement]:
+        if not handles:
+            raise InvalidLayout("a registration needs at least one memory handle")
+        expected = layout.regions
+        if len(regions) != len(expected):
+            raise InvalidLayout(f"the layout has {len(expected)} regions, the registration lists {len(regions)}",
+                                expected=len(expected), got=len(regions))
+        placements = []
+        for i, (entry, region) in enumerate(zip(regions, expected)):
+            where = f"regions[{i}]"
+            if entry.get("name") != region.name:
+                raise InvalidLayout(f"{where} must be {region.name!r}, got {str(entry.get('name'))[:32]!r}",
+                                    field=f"{where}.name")
+            handle = _int_field(entry, "handle", where)
+            if handle >= len(handles):
+                raise InvalidLayout(f"{where}.handle {handle} does not exist", field=f"{where}.handle")
+            stride = _int_field(entry, "stride", where, region.block_bytes)
+            offset = _int_field(entry, "offset", where)
+            placements.append(Placement(region.name, handle, offset, stride, region.block_bytes, region.record_offset))
+        return placements
+
+    # -- use ----------------------------------------------------------------------------------
+
+    def check_blocks(self, block_ids: Sequence[int]) -> None:
+        limit = self.layout.num_blocks
+        for i, block in enumerate(block_ids):
+            if block >= limit:
+                raise OutOfRange(f"block id {block} is outside the registered pool of {limit} blocks",
+                                 index=i, block_id=block, num_blocks=limit)
+
+    def plan(self, block_id: int) -> list[Copy]:
+        """Copies for one block into (or out of) one record-sized staging slot."""
+        return copy_plan(self.placements, [block_id], self.record_bytes)
+
+    def gather(self, block_id: int, slot: np.ndarray) -> None:
+        self.mover.gather(self.plan(block_id), slot)
+
+    def scatter(self, block_id: int, slot: np.ndarray) -> None:
+        self.mover.scatter(self.plan(block_id), slot)
+
+    def engine_alive(self) -> bool:
+        if self.pid <= 0:
+            return True
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def close(self) -> None:
+        self.mover.close()
+        for segment in self.segments:
+            if not segment.close():
+                log.warning("segment %s still has views; it is unmapped when they go", segment.name)
+        self.segments = []
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "namespace": self.namespace,
+            "layout": self.layout.to_wire(),
+            "record_bytes": self.record_bytes,
+            "regions": len(self.placements),
+            "pid": self.pid,
+            "handles": [{"kind": "shm", "name": s.name, "size": s.size} for s in self.segments],
+        }

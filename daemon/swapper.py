@@ -1,0 +1,448 @@
+"""The swap pipeline: what to store and load (decided here, on the event loop) and the byte
+movement it hands to threads (copies through the registration's mover, records through the
+store).
+
+All bookkeeping — the registration, the in-flight write table, staging slots — is touched only
+on the event loop thread, so it needs no locks. Threads get a slot and a key, do their copy or
+their I/O, and return a status.
+
+swap_out::
+
+    validate -> skip duplicates and keys stored or in flight -> take write slots (or busy)
+    -> gather blocks into slots (thread) -> [answer "copied"] -> write records (write pool)
+    -> index -> [answer "persisted"]
+
+swap_in::
+
+    validate -> per key: the in-flight write's slot, else a read slot filled from the store
+    (read pool) -> verify -> scatter into the engine's blocks -> answer loaded prefix + statuses
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
+
+from kvswap.backends.base import Backend, GetStatus, Store
+from kvswap.protocol.errors import Busy, KvswapError, NotRegistered, Timeout, TooLarge
+
+from .config import Config
+from .metrics import Metrics
+from .registration import Registration
+from .staging import Slot, StagingPool
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class Deadline:
+    """When a request must be answered. Threads check ``live()`` before touching engine
+    memory, so a swap that timed out never writes into blocks the engine has reused."""
+
+    __slots__ = ("at", "_expired")
+
+    def __init__(self, timeout_s: float) -> None:
+        self.at = time.monotonic() + timeout_s
+        self._expired = False
+
+    def remaining(self) -> float:
+        return max(0.0, self.at - time.monotonic())
+
+    def expire(self) -> None:
+        self._expired = True
+
+    def live(self) -> bool:
+        return not self._expired and time.monotonic() < self.at
+
+
+@dataclass
+class InflightWrite:
+    """A record copied into staging whose write has not finished. swap_in reads from ``slot``;
+    ``done`` resolves when the write ends, either way."""
+
+    slot: Slot
+    done: asyncio.Future = field(repr=False)
+
+
+class Swapper:
+    def __init__(self, config: Config, backend: Backend, metrics: Metrics) -> None:
+        self.config = config
+        self.backend = backend
+        self.metrics = metrics
+        self.registration: Registration | None = None
+        self.store: Store | None = None
+        self._stores: dict[str, Store] = {}
+        self._inflight: dict[str, InflightWrite] = {}
+        self._write_tasks: set[asyncio.Task] = set()
+        self._engine_ops = 0  # requests now touching the registered engine memory
+        self._engine_idle: asyncio.Event | None = None
+        self._write_staging: StagingPool | None = None
+        self._read_staging: StagingPool | None = None
+        self._read_slot_freed: asyncio.Condition | None = None
+        self._write_pool: ThreadPoolExecutor | None = None
+        self._read_pool: ThreadPoolExecutor | None = None
+        self._copy_pool: ThreadPoolExecutor | None = None
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._write_pool = ThreadPoolExecutor(self.config.write_threads, thread_name_prefix="kvswap-write")
+        self._read_pool = ThreadPoolExecutor(self.config.read_threads, thread_name_prefix="kvswap-read")
+        # Gathers and scatters are memory copies; one thread keeps them ordered and off the loop.
+        self._copy_pool = ThreadPoolExecutor(1, thread_name_prefix="kvswap-copy")
+        self._engine_idle = asyncio.Event()
+        self._engine_idle.set()
+        self._read_slot_freed = asyncio.Condition()
+        tier = self.backend.tier
+        self.metrics.stored_records.labels(tier=tier).set_function(lambda: self._usage("records"))
+        self.metrics.stored_bytes.labels(tier=tier).set_function(lambda: self._usage("bytes"))
+
+    async def stop(self) -> None:
+        await self.release_registration("shutdown")
+        for pool in (self._copy_pool, self._read_pool, self._write_pool):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=False)
+        for store in self._stores.values():
+            store.close()
+
+    @property
+    def pending_writes(self) -> int:
+        return len(self._inflight)
+
+    async def _run(self, pool: ThreadPoolExecutor | None, fn: Callable[..., T], *args: Any) -> T:
+        assert pool is not None, "Swapper.start() was not called"
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+
+    # -- registration ---------------------------------------------------------------------------
+
+    async def register(self, layout: dict[str, Any], handles: Sequence[dict], regions: Sequence[dict],
+                       pid: int) -> dict[str, Any]:
+        registration = await self._run(self._copy_pool, Registration.attach, layout, handles, regions, pid)
+        try:
+            store = self._stores.get(registration.namespace)
+            if store is None:
+                store = await self._run(self._write_pool, self.backend.open_store, registration.namespace,
+                                        registration.layout.to_wire(), registration.record_bytes)
+                self._stores[registration.namespace] = store
+                self._start_scan(store)
+            await self._make_staging(registration.record_bytes)
+        except BaseException:
+            registration.close()
+            raise
+        await self.release_registration("replaced")
+        self.registration, self.store = registration, store
+        self.metrics.registered.set(1)
+        self.metrics.registrations.labels(event="registered").inc()
+        log.info("registered namespace %s for pid %d: %d regions, %d blocks of %d bytes", registration.namespace,
+                 pid, len(registration.placements), registration.layout.num_blocks, registration.record_bytes)
+        return {"namespace": registration.namespace, "record_bytes": registration.record_bytes,
+                "write_slots": self._write_staging.capacity if self._write_staging else 0}
+
+    def _start_scan(self, store: Store) -> None:
+        scan = getattr(store, "scan", None)
+        if scan is None:
+            return
+        tier = store.tier
+        self.metrics.scan_complete.labels(tier=tier).set(0)
+
+        def done(fut: asyncio.Future) -> None:
+            if fut.exception() is not None:
+                log.error("index scan of %s failed: %s", tier, fut.exception())
+                return
+            self.metrics.scan_complete.labels(tier=tier).set(1)
+            log.info("index scan of %s found %d records", tier, fut.result())
+
+        asyncio.ensure_future(self._run(self._read_pool, scan)).add_done_callback(done)
+
+    async def _make_staging(self, record_bytes: int) -> None:
+        if self._write_staging is None or self._write_staging.record_bytes != record_bytes:
+            # Old pools stay alive until their last slot is released, then go with them.
+            self._write_staging = await self._run(self._copy_pool, StagingPool, record_bytes,
+                                                  self.config.write_staging_bytes, "write")
+            self._read_staging = await self._run(self._copy_pool, StagingPool, record_bytes,
+                                                 self.config.read_staging_bytes, "read")
+            self.metrics.staging_slots.clear()
+            for pool in (self._write_staging, self._read_staging):
+                self.metrics.staging_slots.labels(pool=pool.name, state="free").set_function(
+                    lambda p=pool: p.free)
+                self.metrics.staging_slots.labels(pool=pool.name, state="used").set_function(
+                    lambda p=pool: p.in_use)
+
+    def _usage(self, what: str) -> float:
+        return self.store.usage()[what] if self.store is not None else 0
+
+    async def release_registration(self, reason: str) -> bool:
+        """Stop using the engine's memory: wait for requests copying from or into it, then unmap.
+        Records already copied to staging are still written."""
+        registration = self.registration
+        if registration is None:
+            return False
+        self.registration = None
+        self.metrics.registered.set(0)
+        assert self._engine_idle is not None
+        await self._engine_idle.wait()
+        registration.close()
+        self.metrics.registrations.labels(event=reason).inc()
+        log.info("released registration of namespace %s (pid %d): %s", registration.namespace, registration.pid, reason)
+        return True
+
+    def _require(self) -> tuple[Registration, Store]:
+        if self.registration is None or self.store is None:
+            raise NotRegistered("no cache is registered; send register first")
+        return self.registration, self.store
+
+    async def _using_engine(self, op: Callable[[], Awaitable[T]]) -> T:
+        """Run ``op`` while counting it as a user of the engine's memory."""
+        assert self._engine_idle is not None
+        self._engine_ops += 1
+        self._engine_idle.clear()
+        try:
+            return await op()
+        finally:
+            self._engine_ops -= 1
+            if self._engine_ops == 0:
+                self._engine_idle.set()
+
+    async def check_engine(self) -> None:
+        registration = self.registration
+        if registration is not None and not await self._run(self._read_pool, registration.engine_alive):
+            log.warning("engine pid %d is gone; releasing its cache mapping", registration.pid)
+            await self.release_registration("engine_exited")
+
+    # -- swap_out -------------------------------------------------------------------------------
+
+    async def swap_out(self, block_ids: Sequence[int], keys: Sequence[str], wait: str,
+                       deadline: Deadline) -> dict[str, Any]:
+        registration, store = self._require()
+        registration.check_blocks(block_ids)
+        status: list[str] = ["exists"] * len(keys)
+        todo: list[int] = []
+        seen: set[str] = set()
+        for i, key in enumerate(keys):
+            if key in seen or key in self._inflight:
+                continue
+            seen.add(key)
+            todo.append(i)
+        if todo:
+            todo = await self._run(self._read_pool, _not_stored, store, keys, todo)
+        pool = self._write_staging
+        assert pool is not None
+        if len(todo) > pool.capacity:
+            raise TooLarge(f"swap_out of {len(todo)} new blocks exceeds the write staging of {pool.capacity} records",
+                           blocks=len(todo), limit=pool.capacity)
+        slots = pool.try_take(len(todo))
+        if slots is None:
+            self.metrics.write_failures.labels(code="busy").inc(len(todo))
+            raise Busy("write staging is full; retry after pending writes finish", needed=len(todo), free=pool.free,
+                       pending_writes=len(self._inflight))
+        loop = asyncio.get_running_loop()
+        entries = [(keys[i], InflightWrite(slot, loop.create_future())) for i, slot in zip(todo, slots)]
+
+        async def copy_out() -> bool:
+            return await self._run(self._copy_pool, _gather, registration, [block_ids[i] for i in todo],
+                                   [s.view for s in slots], deadline)
+
+        try:
+            copied = await self._using_engine(copy_out)
+        except BaseException:
+            for slot in slots:
+                slot.release()
+            raise
+        if not copied:  # the deadline passed mid-copy: these bytes may be stale, drop them
+            for slot in slots:
+                slot.release()
+            raise Timeout("deadline passed while copying blocks; nothing was stored")
+        for key, entry in entries:
+            self._inflight[key] = entry
+        self.metrics.pending_writes.set(len(self._inflight))
+        for i in todo:
+            status[i] = "queued"
+        task = asyncio.ensure_future(self._write_records(store, entries))
+        self._write_tasks.add(task)
+        task.add_done_callback(self._write_tasks.discard)
+        self.metrics.bytes.labels(direction="out").inc(len(todo) * registration.record_bytes)
+        if wait == "persisted":
+            outcomes = await asyncio.shield(task)
+            for i, outcome in zip(todo, outcomes):
+                status[i] = outcome
+        for s in status:
+            self.metrics.blocks.labels(op="swap_out", status=s).inc()
+        return {"status": status, "queued": status.count("queued"), "stored": status.count("stored"),
+                "exists": status.count("exists"), "failed": len(status) - status.count("queued")
+                - status.count("stored") - status.count("exists")}
+
+    async def _write_records(self, store: Store, entries: list[tuple[str, InflightWrite]]) -> list[str]:
+        """Write each record on the write pool; a key's in-flight entry goes when its write ends."""
+
+        async def write_one(key: str, entry: InflightWrite) -> str:
+            try:
+                await self._run(self._write_pool, store.put, key, memoryview(entry.slot.view))
+                return "stored"
+            except KvswapError as exc:
+                log.warning("write of %s failed: %s", key, exc.message)
+                self.metrics.write_failures.labels(code=exc.code).inc()
+                return exc.code
+            except Exception:
+                log.exception("write of %s failed", key)
+                self.metrics.write_failures.labels(code="internal").inc()
+                return "internal"
+            finally:
+                if self._inflight.get(key) is entry:
+                    del self._inflight[key]
+                self.metrics.pending_writes.set(len(self._inflight))
+                entry.done.set_result(None)
+                entry.slot.release()
+
+        return list(await asyncio.gather(*(write_one(k, e) for k, e in entries)))
+
+    # -- swap_in ----------------------------------------------------------------------------------
+
+    async def swap_in(self, keys: Sequence[str], block_ids: Sequence[int], deadline: Deadline) -> dict[str, Any]:
+        registration, store = self._require()
+        registration.check_blocks(block_ids)
+        status: list[str] = [GetStatus.MISS.value] * len(keys)
+        pool = self._read_staging
+        assert pool is not None
+
+        async def load_one(i: int) -> None:
+            entry = self._inflight.get(keys[i])
+            if entry is not None:
+                # The write is still running: serve its staged bytes, pinned while we copy.
+                slot = entry.slot.retain()
+                try:
+                    ok = await self._run(self._copy_pool, _scatter, registration, block_ids[i], slot.view, deadline)
+                finally:
+                    slot.release()
+                status[i] = "loaded" if ok else "error"
+                return
+            slot = await self._take_read_slot(pool)
+            try:
+                status[i] = await self._run(self._read_pool, _read_and_scatter, store, registration, keys[i],
+                                            block_ids[i], slot.view, deadline)
+            finally:
+                slot.release()
+                async with self._read_slot_freed:  # type: ignore[union-attr]
+                    self._read_slot_freed.notify()  # type: ignore[union-attr]
+
+        await self._using_engine(lambda: asyncio.gather(*(load_one(i) for i in range(len(keys)))))
+        loaded = 0
+        for s in status:
+            if s != "loaded":
+                break
+            loaded += 1
+        for s in status:
+            self.metrics.blocks.labels(op="swap_in", status=s).inc()
+            if s == "corrupt":
+                self.metrics.corrupt.labels(tier=store.tier).inc()
+        self.metrics.bytes.labels(direction="in").inc(status.count("loaded") * registration.record_bytes)
+        return {"loaded": loaded, "status": status}
+
+    async def _take_read_slot(self, pool: StagingPool) -> Slot:
+        assert self._read_slot_freed is not None
+        async with self._read_slot_freed:
+            while True:
+                taken = pool.try_take(1)
+                if taken:
+                    return taken[0]
+                await self._read_slot_freed.wait()
+
+    # -- lookup, delete, clear, flush ---------------------------------------------------------------
+
+    async def lookup(self, keys: Sequence[str]) -> dict[str, Any]:
+        _, store = self._require()
+        # In-flight writes count as stored: a swap_in after this lookup will find them.
+        hits = 0
+        while hits < len(keys) and keys[hits] in self._inflight:
+            hits += 1
+        if hits < len(keys):
+            rest = [k for k in keys[hits:]]
+            inflight = set(self._inflight)
+            hits += await self._run(self._read_pool, _prefix, store, rest, inflight)
+        self.metrics.lookup_keys.labels(result="hit").inc(hits)
+        self.metrics.lookup_keys.labels(result="miss").inc(len(keys) - hits)
+        return {"hits": hits}
+
+    async def delete(self, keys: Sequence[str]) -> dict[str, Any]:
+        _, store = self._require()
+        # A delete must not be undone by a write still landing: wait for those first.
+        pending = [self._inflight[k].done for k in keys if k in self._inflight]
+        if pending:
+            await asyncio.gather(*pending)
+        deleted = await self._run(self._write_pool, store.delete_many, list(keys))
+        return {"deleted": deleted}
+
+    async def clear(self) -> dict[str, Any]:
+        _, store = self._require()
+        await self.flush()
+        deleted = await self._run(self._write_pool, store.clear)
+        return {"deleted": deleted}
+
+    async def flush(self) -> dict[str, Any]:
+        """Wait until every record copied so far has been written (or failed)."""
+        tasks = list(self._write_tasks)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return {"flushed": len(tasks)}
+
+    def stats(self) -> dict[str, Any]:
+        registration = self.registration
+        out: dict[str, Any] = {
+            "registered": registration is not None,
+            "pending_writes": len(self._inflight),
+            "write_tasks": len(self._write_tasks),
+        }
+        if registration is not None:
+            out["registration"] = registration.describe()
+        if self.store is not None:
+            out["tiers"] = {self.store.tier: self.store.usage()}
+        for pool in (self._write_staging, self._read_staging):
+            if pool is not None:
+                out[f"{pool.name}_staging"] = {"slots": pool.capacity, "free": pool.free,
+                                               "slot_bytes": pool.slot_bytes}
+        return out
+
+
+# -- thread-side work: pure byte movement, no daemon state --------------------------------------
+
+
+def _not_stored(store: Store, keys: Sequence[str], todo: list[int]) -> list[int]:
+    return [i for i in todo if not store.contains(keys[i])]
+
+
+def _gather(registration: Registration, block_ids: list[int], slots: list[Any], deadline: Deadline) -> bool:
+    for block, slot in zip(block_ids, slots):
+        if not deadline.live():
+            return False
+        registration.gather(block, slot)
+    return True
+
+
+def _scatter(registration: Registration, block_id: int, slot: Any, deadline: Deadline) -> bool:
+    if not deadline.live():
+        return False
+    registration.scatter(block_id, slot)
+    return True
+
+
+def _read_and_scatter(store: Store, registration: Registration, key: str, block_id: int, slot: Any,
+                      deadline: Deadline) -> str:
+    try:
+        result = store.get_into(key, memoryview(slot))
+    except KvswapError as exc:
+        log.warning("read of %s failed: %s", key, exc.message)
+        return "error"
+    if result is not GetStatus.LOADED:
+        return result.value
+    return "loaded" if _scatter(registration, block_id, slot, deadline) else "error"
+
+
+def _prefix(store: Store, keys: Sequence[str], inflight: set[str]) -> int:
+    for i, key in enumerate(keys):
+        if key not in inflight and not store.contains(key):
+            return i
+    return len(keys)

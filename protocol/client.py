@@ -1,0 +1,349 @@
+"""Clients for kvswapd: :class:`Client` (blocking) and :class:`AsyncClient` (asyncio).
+
+Both keep many requests in flight on one DEALER socket and match replies by id. Every call
+has a deadline: it travels with the request (``timeout_ms``), so the daemon answers
+``timeout`` itself when it cannot finish in time; the client waits a little longer for that
+answer and raises :class:`~kvswap.protocol.errors.Timeout` if none arrives. Failures raise the
+typed error the daemon sent.
+
+A :class:`Client` is not thread-safe (ZMQ sockets are not); use one per thread, or the
+:class:`AsyncClient`. ``send``/``wait`` pipeline requests on one socket::
+
+    with Client("tcp://127.0.0.1:55500") as c:
+        c.wait_ready(10)
+        c.register(cache)
+        c.swap_out([3, 4], ["k0", "k1"], wait="persisted")
+        r = c.swap_in(["k0", "k1"], [7, 8])      # r.loaded == 2
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import zmq
+import zmq.asyncio
+
+from . import messages as m
+from .errors import KvswapError, Timeout, Unavailable
+
+#: Extra time a client waits beyond a request's deadline for the daemon's own answer.
+GRACE_S = 1.0
+DEFAULT_ENDPOINT = "tcp://127.0.0.1:55500"
+
+
+@dataclass(frozen=True)
+class SwapOutResult:
+    #: Per key: "queued" (copied; write pending), "stored" (persisted), "exists" (already
+    #: stored, in flight or repeated in this request), or an error code when its write failed.
+    status: list[str]
+    queued: int
+    stored: int
+    exists: int
+    failed: int
+
+
+@dataclass(frozen=True)
+class SwapInResult:
+    #: How many leading keys were loaded into their blocks: the usable prefix.
+    loaded: int
+    #: Per key: "loaded", "miss", "corrupt" (found but failed its check; removed) or "error".
+    status: list[str]
+
+
+# -- one builder per op: the request and how to read its result, shared by both clients ------
+
+Call = tuple[type[m.Request], dict[str, Any], Callable[[dict[str, Any]], Any]]
+
+
+def _registration_of(cache: Any) -> dict[str, Any]:
+    registration = cache.registration() if hasattr(cache, "registration") else cache
+    if not isinstance(registration, dict):
+        raise TypeError("register() takes a HostKVCache (or any object with .registration()) or its dict")
+    return registration
+
+
+def _ops_register(cache: Any) -> Call:
+    body = dict(_registration_of(cache))
+    body.setdefault("pid", os.getpid())
+    return m.Register, body, dict
+
+
+def _ops_swap_out(block_ids: Sequence[int], keys: Sequence[str], wait: str) -> Call:
+    return (m.SwapOut, {"block_ids": tuple(int(b) for b in block_ids), "keys": tuple(keys), "wait": wait},
+            lambda r: SwapOutResult(r["status"], r["queued"], r["stored"], r["exists"], r["failed"]))
+
+
+def _ops_swap_in(keys: Sequence[str], block_ids: Sequence[int]) -> Call:
+    return (m.SwapIn, {"keys": tuple(keys), "block_ids": tuple(int(b) for b in block_ids)},
+            lambda r: SwapInResult(r["loaded"], r["status"]))
+
+
+def _keys_op(cls: type[m.Request], field: str) -> Callable[[Iterable[str]], Call]:
+    return lambda keys: (cls, {"keys": tuple(keys)}, lambda r: r[field])
+
+
+_ops_lookup = _keys_op(m.Lookup, "hits")
+_ops_delete = _keys_op(m.Delete, "deleted")
+
+
+def _plain(cls: type[m.Request], field: str | None = None) -> Call:
+    return cls, {}, (lambda r: r[field]) if field else dict
+
+
+class _Base:
+    def __init__(self, endpoint: str, timeout: float) -> None:
+        if timeout <= 0:
+            raise ValueError("timeout must be positive")
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._ids = itertools.count(int.from_bytes(os.urandom(3), "little") << 16)
+
+    def _make(self, cls: type[m.Request], body: dict[str, Any], timeout: float | None) -> tuple[m.Request, float]:
+        timeout = self.timeout if timeout is None else timeout
+        request = cls(id=next(self._ids), timeout_ms=max(1, int(timeout * 1000)), **body)
+        return request, timeout
+
+    @staticmethod
+    def _socket(ctx: zmq.Context) -> zmq.Socket:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Queue only to a live connection: a request for a daemon that is down fails at once
+        # instead of being delivered, stale, when it comes back.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        return sock
+
+
+class Client(_Base):
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = 30.0,
+                 context: zmq.Context | None = None) -> None:
+        super().__init__(endpoint, timeout)
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._socket(self._ctx)
+        self._sock.connect(endpoint)
+        self._pending: dict[int, m.Request] = {}
+        self._replies: dict[int, m.Reply] = {}
+
+    # -- pipelining --------------------------------------------------------------------------
+
+    def send(self, cls: type[m.Request], body: dict[str, Any] | None = None, timeout: float | None = None) -> int:
+        """Send one request without waiting; return its id for :meth:`wait`."""
+        request, timeout = self._make(cls, body or {}, timeout)
+        frame = m.encode_request(request)
+        if not self._sock.poll(int(min(timeout, 1.0) * 1000), zmq.POLLOUT):
+            raise Unavailable(f"kvswapd at {self.endpoint} is not reachable", endpoint=self.endpoint)
+        self._sock.send(frame)
+        self._pending[request.id] = request
+        return request.id
+
+    def wait(self, request_id: int, timeout: float | None = None) -> dict[str, Any]:
+        """The result of a sent request; raises its typed error."""
+        request = self._pending.get(request_id)
+        if request is None and request_id not in self._replies:
+            raise KeyError(f"request {request_id} was not sent by this client or was already collected")
+        limit = (self.timeout if timeout is None else timeout) + GRACE_S
+        deadline = time.monotonic() + limit
+        try:
+            while request_id not in self._replies:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Timeout(f"no answer from {self.endpoint} within {limit:.1f} s", request_id=request_id)
+                if self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                    self._take(self._sock.recv())
+        finally:
+            self._pending.pop(request_id, None)
+        reply = self._replies.pop(request_id)
+        if not reply.ok:
+            assert reply.error is not None
+            raise reply.error
+        return reply.result
+
+    def _take(self, frame: bytes) -> None:
+        try:
+            reply = m.decode_reply(frame)
+        except KvswapError:
+            return
+        if isinstance(reply.id, int) and reply.id in self._pending:
+            self._replies[reply.id] = reply
+        # Replies for requests nobody waits for (abandoned after a local timeout) are dropped.
+
+    def call(self, cls: type[m.Request], body: dict[str, Any] | None = None, timeout: float | None = None) -> dict:
+        return self.wait(self.send(cls, body, timeout), timeout)
+
+    def _run(self, op: Call, timeout: float | None = None) -> Any:
+        cls, body, parse = op
+        return parse(self.call(cls, body, timeout))
+
+    # -- the public contract ------------------------------------------------------------------
+
+    def wait_ready(self, timeout: float = 30.0) -> dict[str, Any]:
+        """Ping until the daemon answers; return its hello. Raises Timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self.call(m.Hello, {"client": "kvswap-client"}, timeout=max(0.05, min(left, 1.0)))
+            except (Timeout, Unavailable):
+                if time.monotonic() >= deadline:
+                    raise Timeout(f"kvswapd at {self.endpoint} not ready within {timeout} s") from None
+                time.sleep(0.05)
+
+    def hello(self) -> dict[str, Any]:
+        return self.call(m.Hello, {"client": "kvswap-client"})
+
+    def ping(self, timeout: float | None = None) -> float:
+        """Round-trip time in seconds."""
+        t = time.perf_counter()
+        self.call(m.Ping, timeout=timeout)
+        return time.perf_counter() - t
+
+    def register(self, cache: Any, timeout: float | None = None) -> dict[str, Any]:
+        return self._run(_ops_register(cache), timeout)
+
+    def unregister(self) -> bool:
+        return self._run(_plain(m.Unregister, "released"))
+
+    def swap_out(self, block_ids: Sequence[int], keys: Sequence[str], wait: str = "copied",
+                 timeout: float | None = None) -> SwapOutResult:
+        return self._run(_ops_swap_out(block_ids, keys, wait), timeout)
+
+    def swap_in(self, keys: Sequence[str], block_ids: Sequence[int], timeout: float | None = None) -> SwapInResult:
+        return self._run(_ops_swap_in(keys, block_ids), timeout)
+
+    def lookup(self, keys: Sequence[str], timeout: float | None = None) -> int:
+        return self._run(_ops_lookup(keys), timeout)
+
+    def delete(self, keys: Sequence[str]) -> int:
+        return self._run(_ops_delete(keys))
+
+    def clear(self) -> int:
+        return self._run(_plain(m.Clear, "deleted"))
+
+    def flush(self, timeout: float | None = None) -> int:
+        return self._run(_plain(m.Flush, "flushed"), timeout)
+
+    def stats(self) -> dict[str, Any]:
+        return self._run(_plain(m.Stats))
+
+    def close(self) -> None:
+        self._sock.close(0)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient(_Base):
+    """The asyncio client. Any number of coroutines may call it at once."""
+
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = 30.0,
+                 context: zmq.asyncio.Context | None = None) -> None:
+        super().__init__(endpoint, timeout)
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._sock = self._socket(self._ctx)
+        self._sock.connect(endpoint)
+        self._waiters: dict[int, asyncio.Future] = {}
+        self._reader: asyncio.Task | None = None
+
+    async def call(self, cls: type[m.Request], body: dict[str, Any] | None = None,
+                   timeout: float | None = None) -> dict[str, Any]:
+        request, timeout = self._make(cls, body or {}, timeout)
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.ensure_future(self._read_replies())
+        future = asyncio.get_running_loop().create_future()
+        self._waiters[request.id] = future
+        try:
+            if not await self._sock.poll(int(min(timeout, 1.0) * 1000), zmq.POLLOUT):
+                raise Unavailable(f"kvswapd at {self.endpoint} is not reachable", endpoint=self.endpoint)
+            await self._sock.send(m.encode_request(request))
+            try:
+                reply: m.Reply = await asyncio.wait_for(future, timeout + GRACE_S)
+            except asyncio.TimeoutError:
+                raise Timeout(f"no answer from {self.endpoint} within {timeout + GRACE_S:.1f} s",
+                              request_id=request.id) from None
+        finally:
+            self._waiters.pop(request.id, None)
+        if not reply.ok:
+            assert reply.error is not None
+            raise reply.error
+        return reply.result
+
+    async def _read_replies(self) -> None:
+        while True:
+            frame = await self._sock.recv()
+            try:
+                reply = m.decode_reply(frame)
+            except KvswapError:
+                continue
+            waiter = self._waiters.get(reply.id) if isinstance(reply.id, int) else None
+            if waiter is not None and not waiter.done():
+                waiter.set_result(reply)
+
+    async def _run(self, op: Call, timeout: float | None = None) -> Any:
+        cls, body, parse = op
+        return parse(await self.call(cls, body, timeout))
+
+    async def wait_ready(self, timeout: float = 30.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return await self.call(m.Hello, {"client": "kvswap-async-client"}, timeout=max(0.05, min(left, 1.0)))
+            except (Timeout, Unavailable):
+                if time.monotonic() >= deadline:
+                    raise Timeout(f"kvswapd at {self.endpoint} not ready within {timeout} s") from None
+                await asyncio.sleep(0.05)
+
+    async def hello(self) -> dict[str, Any]:
+        return await self.call(m.Hello, {"client": "kvswap-async-client"})
+
+    async def ping(self, timeout: float | None = None) -> float:
+        t = time.perf_counter()
+        await self.call(m.Ping, timeout=timeout)
+        return time.perf_counter() - t
+
+    async def register(self, cache: Any, timeout: float | None = None) -> dict[str, Any]:
+        return await self._run(_ops_register(cache), timeout)
+
+    async def unregister(self) -> bool:
+        return await self._run(_plain(m.Unregister, "released"))
+
+    async def swap_out(self, block_ids: Sequence[int], keys: Sequence[str], wait: str = "copied",
+                       timeout: float | None = None) -> SwapOutResult:
+        return await self._run(_ops_swap_out(block_ids, keys, wait), timeout)
+
+    async def swap_in(self, keys: Sequence[str], block_ids: Sequence[int],
+                      timeout: float | None = None) -> SwapInResult:
+        return await self._run(_ops_swap_in(keys, block_ids), timeout)
+
+    async def lookup(self, keys: Sequence[str], timeout: float | None = None) -> int:
+        return await self._run(_ops_lookup(keys), timeout)
+
+    async def delete(self, keys: Sequence[str]) -> int:
+        return await self._run(_ops_delete(keys))
+
+    async def clear(self) -> int:
+        return await self._run(_plain(m.Clear, "deleted"))
+
+    async def flush(self, timeout: float | None = None) -> int:
+        return await self._run(_plain(m.Flush, "flushed"), timeout)
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._run(_plain(m.Stats))
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._sock.close(0)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()

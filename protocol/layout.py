@@ -1,0 +1,187 @@
+"""The engine's KV-cache layout: which tensors exist, how a block sits in each, and the
+namespace fingerprint that keeps blocks of different meaning apart.
+
+A *region* is one tensor of the paged cache (the key or value cache of one layer, or a
+per-layer fp8 scale tensor). In FastDeploy's layout each tensor is
+``[num_blocks, num_kv_heads, block_size, head_dim]``, so one block of one region is a
+contiguous run of ``num_kv_heads * block_size * head_dim * itemsize`` bytes and consecutive
+blocks sit ``block_bytes`` apart. A stored *record* is the chunks of one block from every
+region, concatenated in region order (layer-major: ``k.0, v.0, [ks.0, vs.0,] k.1, ...``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Final
+
+from .errors import InvalidLayout
+
+#: Bytes per element of each supported cache dtype. ``uint8`` is an fp8 cache, which carries
+#: per-layer scale tensors.
+DTYPE_SIZES: Final[dict[str, int]] = {
+    "float16": 2,
+    "bfloat16": 2,
+    "uint8": 1,
+    "float32": 4,
+}
+CACHE_DTYPES: Final = frozenset({"float16", "bfloat16", "uint8"})
+
+#: Bumped whenever the on-disk record layout changes; part of every namespace fingerprint, so
+#: records of an older format are simply never found rather than misread.
+RECORD_FORMAT: Final = 1
+
+
+@dataclass(frozen=True)
+class Region:
+    """One tensor of the cache as the record sees it.
+
+    ``record_offset`` is where this region's chunk starts inside a record's payload.
+    """
+
+    name: str
+    block_bytes: int
+    record_offset: int
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    model_id: str
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    tp_rank: int = 0
+    tp_size: int = 1
+    #: False for MLA, which caches a latent per token and has no value tensor.
+    has_values: bool = True
+    #: Element type of the fp8 scale tensors ``[num_blocks, num_kv_heads, block_size]``;
+    #: used only when ``dtype == "uint8"``.
+    scale_dtype: str = "float32"
+    #: Cache layers beyond the model's own (speculative-decoding draft or MTP layers). They
+    #: are stored like any other layer; counting them apart keeps the fingerprint honest.
+    num_extra_layers: int = 0
+    regions: tuple[Region, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._validate()
+        object.__setattr__(self, "regions", tuple(self._build_regions()))
+
+    # -- derived sizes -------------------------------------------------------------------
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def total_layers(self) -> int:
+        return self.num_layers + self.num_extra_layers
+
+    @property
+    def has_scales(self) -> bool:
+        return self.dtype == "uint8"
+
+    @property
+    def cache_block_bytes(self) -> int:
+        """Bytes of one block in one key or value tensor."""
+        return self.num_kv_heads * self.block_size * self.head_dim * self.itemsize
+
+    @property
+    def scale_block_bytes(self) -> int:
+        return self.num_kv_heads * self.block_size * DTYPE_SIZES[self.scale_dtype]
+
+    @property
+    def record_bytes(self) -> int:
+        """Payload bytes of one stored block (all regions)."""
+        return sum(r.block_bytes for r in self.regions)
+
+    def tensor_shape(self) -> tuple[int, int, int, int]:
+        return (self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+
+    def scale_shape(self) -> tuple[int, int, int]:
+        return (self.num_blocks, self.num_kv_heads, self.block_size)
+
+    # -- identity --------------------------------------------------------------------------
+
+    def fingerprint(self) -> str:
+        """32 hex digits naming everything that changes what a record's bytes mean.
+
+        ``num_blocks`` is deliberately absent: resizing the engine's pool does not change a
+        block's content, so records survive it.
+        """
+        meaning = {
+            "record_format": RECORD_FORMAT,
+            "model_id": self.model_id,
+            "dtype": self.dtype,
+            "scale_dtype": self.scale_dtype if self.has_scales else None,
+            "block_size": self.block_size,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "num_layers": self.num_layers,
+            "num_extra_layers": self.num_extra_layers,
+            "has_values": self.has_values,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "regions": [[r.name, r.block_bytes] for r in self.regions],
+        }
+        canonical = json.dumps(meaning, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(canonical).hexdigest()[:32]
+
+    def to_wire(self) -> dict[str, Any]:
+        wire = asdict(self)
+        wire.pop("regions", None)
+        return wire
+
+    @classmethod
+    def from_wire(cls, payload: Any) -> "CacheLayout":
+        if not isinstance(payload, dict):
+            raise InvalidLayout("layout must be a map")
+        known = {f for f in cls.__dataclass_fields__ if f != "regions"}
+        unknown = set(payload) - known
+        if unknown:
+            raise InvalidLayout("unknown layout fields", fields=sorted(map(str, unknown)))
+        try:
+            return cls(**payload)
+        except TypeError as exc:
+            raise InvalidLayout(f"incomplete layout: {exc}") from None
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _validate(self) -> None:
+        def positive(name: str, value: Any, minimum: int = 1) -> None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise InvalidLayout(f"{name} must be an integer >= {minimum}", field=name)
+
+        if not isinstance(self.model_id, str) or not 0 < len(self.model_id) <= 256:
+            raise InvalidLayout("model_id must be a non-empty string of at most 256 characters")
+        for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "tp_size"):
+            positive(name, getattr(self, name))
+        positive("tp_rank", self.tp_rank, 0)
+        positive("num_extra_layers", self.num_extra_layers, 0)
+        if self.tp_rank >= self.tp_size:
+            raise InvalidLayout("tp_rank must be below tp_size", field="tp_rank")
+        if self.dtype not in CACHE_DTYPES:
+            raise InvalidLayout(f"dtype must be one of {sorted(CACHE_DTYPES)}", field="dtype")
+        if self.scale_dtype not in DTYPE_SIZES:
+            raise InvalidLayout(f"scale_dtype must be one of {sorted(DTYPE_SIZES)}", field="scale_dtype")
+        if not isinstance(self.has_values, bool):
+            raise InvalidLayout("has_values must be a boolean", field="has_values")
+
+    def _build_regions(self) -> list[Region]:
+        names: list[tuple[str, int]] = []
+        for layer in range(self.total_layers):
+            names.append((f"k.{layer}", self.cache_block_bytes))
+            if self.has_values:
+                names.append((f"v.{layer}", self.cache_block_bytes))
+            if self.has_scales:
+                names.append((f"ks.{layer}", self.scale_block_bytes))
+                if self.has_values:
+                    names.append((f"vs.{layer}", self.scale_block_bytes))
+        regions, offset = [], 0
+        for name, size in names:
+            regions.append(Region(name, size, offset))
+            offset += size
+        return regions

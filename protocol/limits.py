@@ -1,0 +1,47 @@
+"""Protocol limits and the key grammar. A message beyond a limit is refused with a typed
+error (``too_large``/``invalid_key``) by the daemon, and the client refuses to send it."""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+from .errors import InvalidKey, TooLarge
+
+PROTOCOL_VERSION: Final = 1
+
+#: Largest frame the daemon reads; ZMQ enforces it too (``ZMQ_MAXMSGSIZE``), so a larger one
+#: is dropped by the socket before it costs memory.
+MAX_MESSAGE_BYTES: Final = 4 * 1024 * 1024
+#: Keys (and block ids) in one swap_out, swap_in, lookup or delete.
+MAX_KEYS_PER_REQUEST: Final = 8192
+MAX_KEY_LENGTH: Final = 128
+#: Handles and regions in one registration (two per layer plus scales, with room to spare).
+MAX_REGIONS: Final = 4096
+#: Largest block id accepted on the wire; the registered pool size bounds it further.
+MAX_BLOCK_ID: Final = 2**31 - 1
+#: Deadline bounds for one request, in milliseconds.
+DEFAULT_TIMEOUT_MS: Final = 30_000
+MAX_TIMEOUT_MS: Final = 3_600_000
+
+#: Keys are engine block hashes (hex, base64url or ``prefix:hash`` forms). The alphabet has no
+#: path separators and cannot start with a dot, and the daemon never uses a key as a path
+#: anyway: file names are hashes of keys.
+_KEY_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:=+-]*")
+
+
+def check_key(key: object, index: int | None = None) -> str:
+    """Return ``key`` if it is a valid key, else raise :class:`InvalidKey`."""
+    if not isinstance(key, str):
+        raise InvalidKey("key must be a string", index=index)
+    if not key or len(key) > MAX_KEY_LENGTH:
+        raise InvalidKey(f"key length must be 1..{MAX_KEY_LENGTH}", index=index, length=len(key))
+    if _KEY_RE.fullmatch(key) is None:
+        raise InvalidKey("key has characters outside [A-Za-z0-9_.:=+-] or starts with one of .:=+-",
+                         index=index, key=key[:MAX_KEY_LENGTH])
+    return key
+
+
+def check_count(name: str, count: int, limit: int = MAX_KEYS_PER_REQUEST) -> None:
+    if count > limit:
+        raise TooLarge(f"{name} has {count} entries, the limit is {limit}", field=name, count=count, limit=limit)

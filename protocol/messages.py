@@ -1,0 +1,338 @@
+"""Wire messages, version 1: pure functions over bytes, no I/O.
+
+A request is a msgpack map ``{"v": 1, "id": <uint>, "op": <str>, "timeout_ms": <uint>?, ...}``
+with the op's own fields beside the envelope. A reply is ``{"v": 1, "id": <uint>, "ok": true,
+"result": {...}}`` or ``{"v": 1, "id": <uint>, "ok": false, "error": {"code", "message",
+"details"}}``. A frame whose id cannot be read is answered with ``"id": null``.
+
+Example: ``encode_request(Ping(id=7))`` is ``b"\\x83\\xa1v\\x01\\xa2id\\x07\\xa2op\\xa4ping"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, ClassVar, Final
+
+import msgpack
+
+from .errors import BadRequest, KvswapError, TooLarge, UnknownOp, UnsupportedVersion, from_wire, to_wire
+from .limits import (
+    MAX_BLOCK_ID,
+    MAX_KEYS_PER_REQUEST,
+    MAX_MESSAGE_BYTES,
+    MAX_REGIONS,
+    MAX_TIMEOUT_MS,
+    PROTOCOL_VERSION,
+    check_count,
+    check_key,
+)
+
+MAX_REQUEST_ID: Final = 2**64 - 1
+WAIT_MODES: Final = ("copied", "persisted")
+
+
+class DecodeError(Exception):
+    """A frame that is not a valid request. ``error`` is the typed error to answer with;
+    ``request_id`` is set when the id could be read, so the answer still reaches the caller."""
+
+    def __init__(self, error: KvswapError, request_id: int | None) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.request_id = request_id
+
+
+# -- field checkers: each takes the raw value and returns the typed one, or raises ----------
+
+
+def _uint(limit: int) -> Callable[[str, Any], int]:
+    def check(name: str, value: Any) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= limit:
+            raise BadRequest(f"{name} must be an integer in 0..{limit}", field=name)
+        return value
+
+    return check
+
+
+def _keys(name: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise BadRequest(f"{name} must be a list of strings", field=name)
+    check_count(name, len(value))
+    return tuple(check_key(k, i) for i, k in enumerate(value))
+
+
+def _block_ids(name: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise BadRequest(f"{name} must be a list of integers", field=name)
+    check_count(name, len(value))
+    for i, b in enumerate(value):
+        if not isinstance(b, int) or isinstance(b, bool) or not 0 <= b <= MAX_BLOCK_ID:
+            raise BadRequest(f"{name}[{i}] must be an integer in 0..{MAX_BLOCK_ID}", field=name, index=i)
+    return tuple(value)
+
+
+def _wait(name: str, value: Any) -> str:
+    if value not in WAIT_MODES:
+        raise BadRequest(f"{name} must be one of {list(WAIT_MODES)}", field=name)
+    return value
+
+
+def _map(name: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise BadRequest(f"{name} must be a map", field=name)
+    return value
+
+
+def _map_list(name: str, value: Any) -> tuple[dict[str, Any], ...]:
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise BadRequest(f"{name} must be a list of maps", field=name)
+    check_count(name, len(value), MAX_REGIONS)
+    return tuple(value)
+
+
+def _short_str(name: str, value: Any) -> str:
+    if not isinstance(value, str) or len(value) > 256:
+        raise BadRequest(f"{name} must be a string of at most 256 characters", field=name)
+    return value
+
+
+# -- requests -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    op: ClassVar[str] = ""
+    #: Field name -> checker; the dataclass fields after ``id``/``timeout_ms``.
+    checks: ClassVar[dict[str, Callable[[str, Any], Any]]] = {}
+
+    id: int
+    timeout_ms: int | None = field(default=None, kw_only=True)
+
+    def body(self) -> dict[str, Any]:
+        out = {}
+        for f in fields(self):
+            if f.name in ("id", "timeout_ms"):
+                continue
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def validate(self) -> None:
+        """Checks across fields, after each field passed its own."""
+
+
+@dataclass(frozen=True)
+class Hello(Request):
+    op = "hello"
+    checks = {"client": _short_str}
+    client: str = ""
+
+
+@dataclass(frozen=True)
+class Ping(Request):
+    op = "ping"
+
+
+@dataclass(frozen=True)
+class Register(Request):
+    op = "register"
+    checks = {"layout": _map, "handles": _map_list, "regions": _map_list, "pid": _uint(2**31)}
+    layout: dict[str, Any] = field(default_factory=dict)
+    handles: tuple[dict[str, Any], ...] = ()
+    regions: tuple[dict[str, Any], ...] = ()
+    pid: int = 0
+
+
+@dataclass(frozen=True)
+class Unregister(Request):
+    op = "unregister"
+
+
+@dataclass(frozen=True)
+class SwapOut(Request):
+    op = "swap_out"
+    checks = {"block_ids": _block_ids, "keys": _keys, "wait": _wait}
+    block_ids: tuple[int, ...] = ()
+    keys: tuple[str, ...] = ()
+    wait: str = "copied"
+
+    def validate(self) -> None:
+        check_pair(self.keys, self.block_ids)
+
+
+@dataclass(frozen=True)
+class SwapIn(Request):
+    op = "swap_in"
+    checks = {"keys": _keys, "block_ids": _block_ids}
+    keys: tuple[str, ...] = ()
+    block_ids: tuple[int, ...] = ()
+
+    def validate(self) -> None:
+        check_pair(self.keys, self.block_ids)
+
+
+@dataclass(frozen=True)
+class Lookup(Request):
+    op = "lookup"
+    checks = {"keys": _keys}
+    keys: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Delete(Request):
+    op = "delete"
+    checks = {"keys": _keys}
+    keys: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Clear(Request):
+    op = "clear"
+
+
+@dataclass(frozen=True)
+class Flush(Request):
+    op = "flush"
+
+
+@dataclass(frozen=True)
+class Stats(Request):
+    op = "stats"
+
+
+REQUEST_TYPES: Final[dict[str, type[Request]]] = {
+    cls.op: cls for cls in (Hello, Ping, Register, Unregister, SwapOut, SwapIn, Lookup, Delete, Clear, Flush, Stats)
+}
+#: Fields every op requires (the others default).
+REQUIRED: Final[dict[str, tuple[str, ...]]] = {
+    "register": ("layout", "handles", "regions"),
+    "swap_out": ("block_ids", "keys"),
+    "swap_in": ("keys", "block_ids"),
+    "lookup": ("keys",),
+    "delete": ("keys",),
+}
+
+# -- replies --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reply:
+    id: int | None
+    ok: bool
+    result: dict[str, Any] = field(default_factory=dict)
+    error: KvswapError | None = None
+
+
+# -- codec ----------------------------------------------------------------------------------
+
+
+def _unpack(frame: bytes) -> Any:
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise TooLarge(f"message of {len(frame)} bytes, the limit is {MAX_MESSAGE_BYTES}",
+                       size=len(frame), limit=MAX_MESSAGE_BYTES)
+    try:
+        return msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        # ValueError covers UnicodeDecodeError and truncated input.
+        raise BadRequest(f"not a msgpack message: {type(exc).__name__}") from None
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def encode_request(request: Request) -> bytes:
+    msg: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": request.id, "op": request.op}
+    if request.timeout_ms is not None:
+        msg["timeout_ms"] = request.timeout_ms
+    msg.update(request.body())
+    return _pack(msg)
+
+
+def _valid_id(raw: Any) -> bool:
+    return isinstance(raw, int) and not isinstance(raw, bool) and 0 <= raw <= MAX_REQUEST_ID
+
+
+def peek_id(frame: bytes) -> int | None:
+    """The request id of a frame, if it has a readable one (to address an early refusal)."""
+    try:
+        msg = _unpack(frame)
+    except KvswapError:
+        return None
+    raw = msg.get("id") if isinstance(msg, dict) else None
+    return raw if _valid_id(raw) else None
+
+
+def decode_request(frame: bytes) -> Request:
+    """Parse and validate one request frame; raise :class:`DecodeError` (carrying the id when
+    it could be read) for anything else."""
+    request_id = None
+    try:
+        msg = _unpack(frame)
+        if not isinstance(msg, dict):
+            raise BadRequest("a request is a msgpack map")
+        raw_id = msg.get("id")
+        if _valid_id(raw_id):
+            request_id = raw_id
+        else:
+            raise BadRequest(f"id must be an integer in 0..{MAX_REQUEST_ID}", field="id")
+        if msg.get("v") != PROTOCOL_VERSION:
+            raise UnsupportedVersion(f"protocol version must be {PROTOCOL_VERSION}", got=repr(msg.get("v"))[:32])
+        op = msg.get("op")
+        cls = REQUEST_TYPES.get(op) if isinstance(op, str) else None
+        if cls is None:
+            raise UnknownOp(f"unknown op {str(op)[:64]!r}", known=sorted(REQUEST_TYPES))
+        timeout_ms = msg.get("timeout_ms")
+        if timeout_ms is not None:
+            timeout_ms = _uint(MAX_TIMEOUT_MS)("timeout_ms", timeout_ms)
+        unknown = set(msg) - {"v", "id", "op", "timeout_ms"} - set(cls.checks)
+        if unknown:
+            raise BadRequest(f"unknown fields for {op}", fields=sorted(map(str, unknown))[:16])
+        missing = [name for name in REQUIRED.get(op, ()) if name not in msg]
+        if missing:
+            raise BadRequest(f"missing fields for {op}", fields=missing)
+        kwargs = {name: check(name, msg[name]) for name, check in cls.checks.items() if name in msg}
+        request = cls(id=request_id, timeout_ms=timeout_ms, **kwargs)
+        request.validate()
+        return request
+    except KvswapError as exc:
+        raise DecodeError(exc, request_id) from None
+
+
+def encode_reply(reply: Reply) -> bytes:
+    msg: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": reply.id, "ok": reply.ok}
+    if reply.ok:
+        msg["result"] = reply.result
+    else:
+        assert reply.error is not None
+        msg["error"] = to_wire(reply.error)
+    return _pack(msg)
+
+
+def decode_reply(frame: bytes) -> Reply:
+    msg = _unpack(frame)
+    if not isinstance(msg, dict) or "ok" not in msg:
+        raise BadRequest("a reply is a msgpack map with 'ok'")
+    request_id = msg.get("id")
+    if msg.get("ok") is True:
+        result = msg.get("result") or {}
+        return Reply(request_id, True, result if isinstance(result, dict) else {"value": result})
+    return Reply(request_id, False, error=from_wire(msg.get("error")))
+
+
+def check_pair(keys: tuple[str, ...], block_ids: tuple[int, ...]) -> None:
+    """swap_out and swap_in pair keys with block ids one to one."""
+    if len(keys) != len(block_ids):
+        raise BadRequest("keys and block_ids must have the same length", keys=len(keys), block_ids=len(block_ids))
+
+
+__all__ = [
+    "DecodeError",
+    "Request",
+    "Reply",
+    "REQUEST_TYPES",
+    "decode_request",
+    "encode_request",
+    "decode_reply",
+    "encode_reply",
+    "check_pair",
+]
