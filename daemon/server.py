@@ -14,6 +14,7 @@ import ipaddress
 import logging
 import os
 import signal
+import threading
 import time
 from typing import Any, Awaitable, Callable
 
@@ -98,9 +99,10 @@ class Daemon:
             log.warning("the control socket listens on %s, beyond loopback, without authentication: anyone who "
                         "reaches it can read and overwrite cached KV blocks", cfg.host)
         self.swapper.start()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_exit)
+        if threading.current_thread() is threading.main_thread():  # tests run daemons on threads
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.request_exit)
         self.serving = True
         log.info("kvswapd %s serving tcp://%s:%d, metrics http://%s:%d/metrics, storage %s (fsync=%s)",
                  __version__, cfg.host, self.control_port, cfg.host, self.health.port, self.backend.root, cfg.fsync)

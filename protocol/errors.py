@@ -146,8 +146,10 @@ def from_wire(payload: Any) -> KvswapError:
     if not isinstance(details, dict):
         details = {"details": details}
     cls = ERRORS_BY_CODE.get(code) if isinstance(code, str) else None
+    # Details are set after construction: a peer's map may hold keys ("message", non-strings)
+    # that cannot be keyword arguments.
+    err = (cls or KvswapError)(message)
+    err.details = {str(k): v for k, v in details.items()}
     if cls is None:
-        err = KvswapError(message, **details)
-        err.code = str(code)
-        return err
-    return cls(message, **details)
+        err.code = str(code) if code is not None else "internal"
+    return err

@@ -163,9 +163,9 @@ class CacheLayout:
         positive("num_extra_layers", self.num_extra_layers, 0)
         if self.tp_rank >= self.tp_size:
             raise InvalidLayout("tp_rank must be below tp_size", field="tp_rank")
-        if self.dtype not in CACHE_DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in CACHE_DTYPES:
             raise InvalidLayout(f"dtype must be one of {sorted(CACHE_DTYPES)}", field="dtype")
-        if self.scale_dtype not in DTYPE_SIZES:
+        if not isinstance(self.scale_dtype, str) or self.scale_dtype not in DTYPE_SIZES:
             raise InvalidLayout(f"scale_dtype must be one of {sorted(DTYPE_SIZES)}", field="scale_dtype")
         if not isinstance(self.has_values, bool):
             raise InvalidLayout("has_values must be a boolean", field="has_values")

@@ -275,7 +275,8 @@ def decode_request(frame: bytes) -> Request:
             request_id = raw_id
         else:
             raise BadRequest(f"id must be an integer in 0..{MAX_REQUEST_ID}", field="id")
-        if msg.get("v") != PROTOCOL_VERSION:
+        version = msg.get("v")
+        if type(version) is not int or version != PROTOCOL_VERSION:  # True == 1 in Python
             raise UnsupportedVersion(f"protocol version must be {PROTOCOL_VERSION}", got=repr(msg.get("v"))[:32])
         op = msg.get("op")
         cls = REQUEST_TYPES.get(op) if isinstance(op, str) else None

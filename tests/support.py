@@ -1,0 +1,158 @@
+"""Test support: a real kvswapd subprocess on loopback with a real directory, and small
+helpers the tests share."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvswap.protocol import Client
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class DaemonProcess:
+    storage_dir: Path
+    port: int
+    metrics_port: int
+    extra_args: list[str] = field(default_factory=list)
+    log_path: Path | None = None
+    proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}"
+
+    def start(self, timeout: float = 20.0) -> "DaemonProcess":
+        assert self.proc is None or self.proc.poll() is not None, "already running"
+        self.log_path = self.storage_dir.parent / f"kvswapd-{self.port}.log"
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvswap.daemon", "--cache-queue-port", str(self.port), "--metrics-port",
+             str(self.metrics_port), "--storage-dir", str(self.storage_dir), "--engine-check-interval-s", "0.2",
+             *self.extra_args],
+            stdout=log, stderr=log)
+        log.close()
+        with Client(self.endpoint, timeout=2) as c:
+            try:
+                c.wait_ready(timeout)
+            except Exception:
+                self.stop()
+                raise AssertionError(f"kvswapd did not become ready:\n{self.log()}")
+        return self
+
+    def http(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.metrics_url + path, timeout=5) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of one series from a live /metrics scrape (0 if absent)."""
+        _, text = self.http("/metrics")
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        for line in text.splitlines():
+            if line.startswith("#"):
+                continue
+            series, _, value = line.rpartition(" ")
+            metric, _, label_part = series.partition("{")
+            got = ",".join(sorted(label_part.rstrip("}").split(","))) if label_part else ""
+            if metric == name and got == want:
+                return float(value)
+        return 0.0
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def shm_exists(name: str) -> bool:
+    return os.path.exists(f"/dev/shm/{name}")
+
+
+class InProcessDaemon:
+    """A daemon on a thread of the test process, so a test can patch one seam of it (the
+    disk, the clock) and drive it with the real client over a real socket."""
+
+    def __init__(self, storage_dir: Path, **config: object) -> None:
+        from kvswap.daemon.config import Config
+        from kvswap.daemon.server import Daemon
+
+        self.daemon = Daemon(Config(cache_queue_port=0, metrics_port=0, storage_dir=str(storage_dir), **config))
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.error: BaseException | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.daemon.control_port}"
+
+    def __enter__(self) -> "InProcessDaemon":
+        def main() -> None:
+            self._loop = asyncio.new_event_loop()
+            try:
+                self._loop.run_until_complete(self.daemon.serve())
+            except BaseException as exc:  # surfaced by __exit__
+                self.error = exc
+            finally:
+                self._loop.close()
+
+        self._thread = threading.Thread(target=main, name="kvswapd-test", daemon=True)
+        self._thread.start()
+        assert wait_until(lambda: self.daemon.serving or self.error is not None, 20), "daemon did not start"
+        if self.error is not None:
+            raise self.error
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._loop is not None and self._thread is not None
+        self._loop.call_soon_threadsafe(self.daemon.request_exit)
+        self._thread.join(30)
+        assert not self._thread.is_alive(), "daemon did not stop"
+        if self.error is not None:
+            raise self.error

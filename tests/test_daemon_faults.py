@@ -1,0 +1,133 @@
+"""Faults injected at the file-system seam of a daemon running in this process, driven by the
+real client over a real socket."""
+
+from __future__ import annotations
+
+import errno
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvswap.backends.file_store import record_name
+from kvswap.protocol import Busy, Client, HostKVCache, Timeout
+
+from support import InProcessDaemon
+
+
+class GatedWrites:
+    """Wraps Disk.write_file so writes wait until the test opens the gate."""
+
+    def __init__(self, disk) -> None:
+        self.disk = disk
+        self.original = disk.write_file
+        self.gate = threading.Event()
+        self.started = threading.Semaphore(0)
+        disk.write_file = self
+
+    def __call__(self, *args, **kwargs):
+        self.started.release()
+        assert self.gate.wait(30), "test never opened the write gate"
+        return self.original(*args, **kwargs)
+
+
+def test_swap_in_of_a_key_still_being_written_returns_its_data(tmp_path: Path, cache: HostKVCache) -> None:
+    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        gate = GatedWrites(d.daemon.backend.disk)
+        expected = [cache.block_record(b) for b in (3, 4)]
+        out = c.swap_out([3, 4], ["w0", "w1"], wait="copied")
+        assert out.status == ["queued", "queued"]
+        assert gate.started.acquire(timeout=10)
+        assert c.stats()["pending_writes"] == 2
+        # Nothing is on disk yet; the daemon serves the staged bytes.
+        assert c.lookup(["w0", "w1"]) == 2
+        cache.zero_blocks([10, 11])
+        result = c.swap_in(["w0", "w1"], [10, 11])
+        assert result.status == ["loaded", "loaded"]
+        assert [cache.block_record(10), cache.block_record(11)] == expected
+        # Pings and lookups are answered while writes are stuck.
+        assert c.ping() < 1.0
+        gate.gate.set()
+        c.flush()
+        assert c.stats()["pending_writes"] == 0
+        assert c.stats()["tiers"]["file"]["records"] == 2
+
+
+def test_full_disk_is_a_typed_status_and_reads_keep_working(tmp_path: Path, cache: HostKVCache) -> None:
+    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        c.swap_out([0], ["before"], wait="persisted")
+        disk = d.daemon.backend.disk
+
+        def no_space(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        disk.write_file = no_space
+        out = c.swap_out([1, 2], ["x1", "x2"], wait="persisted")
+        assert out.status == ["no_space", "no_space"]
+        assert out.failed == 2
+        assert c.lookup(["x1"]) == 0
+        cache.zero_blocks([9])
+        assert c.swap_in(["before"], [9]).loaded == 1
+        assert cache.block_record(9) == cache.block_record(0)
+
+        def read_only(*args, **kwargs):
+            raise OSError(errno.EROFS, "Read-only file system")
+
+        disk.write_file = read_only
+        assert c.swap_out([3], ["x3"], wait="persisted").status == ["io_error"]
+        assert c.ping() < 1.0
+
+
+def test_read_errors_are_per_key_statuses(tmp_path: Path, cache: HostKVCache) -> None:
+    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        c.swap_out([0, 1], ["r0", "r1"], wait="persisted")
+        disk = d.daemon.backend.disk
+        original = disk.read_file
+
+        failing = record_name("r1")
+
+        def flaky(path, parts):
+            if failing in path:
+                raise OSError(errno.EIO, "Input/output error")
+            return original(path, parts)
+
+        disk.read_file = flaky
+        result = c.swap_in(["r0", "r1"], [5, 6])
+        assert result.status == ["loaded", "error"]
+        assert result.loaded == 1
+        disk.read_file = original
+        result = c.swap_in(["r0", "r1"], [5, 6])
+        assert result.status == ["loaded", "loaded"]
+
+
+def test_a_stuck_write_times_out_with_an_answer(tmp_path: Path, cache: HostKVCache) -> None:
+    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        gate = GatedWrites(d.daemon.backend.disk)
+        with pytest.raises(Timeout) as err:
+            c.swap_out([0], ["slow"], wait="persisted", timeout=0.3)
+        assert err.value.details.get("timeout_ms") == 300  # the daemon's own answer, not a local one
+        assert c.ping() < 1.0
+        gate.gate.set()
+        c.flush()
+        assert c.lookup(["slow"]) == 1
+
+
+def test_full_write_staging_answers_busy(tmp_path: Path, cache: HostKVCache) -> None:
+    record = cache.layout.record_bytes
+    with InProcessDaemon(tmp_path / "s", write_staging_bytes=4 * max(record, 4096)) as d, \
+            Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        gate = GatedWrites(d.daemon.backend.disk)
+        assert c.swap_out([0, 1, 2, 3], ["b0", "b1", "b2", "b3"]).queued == 4
+        with pytest.raises(Busy) as err:
+            c.swap_out([4], ["b4"])
+        assert err.value.details["free"] == 0
+        # Reads have their own staging and still work.
+        assert c.swap_in(["b0"], [20]).loaded == 1
+        gate.gate.set()
+        c.flush()
+        assert c.swap_out([4], ["b4"], wait="persisted").status == ["stored"]
