@@ -18,7 +18,7 @@ from kvswap.protocol.errors import InvalidLayout, OutOfRange
 from kvswap.protocol.layout import CacheLayout
 from kvswap.protocol.shm import SharedSegment
 
-from .copy_plan import Copy, Placement, copy_plan
+from .copy_plan import Placement
 from .host_mover import HostMover
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class Registration:
             for s in segments:
                 s.close()
             raise
-        return cls(layout, placements, segments, HostMover(buffers), pid)
+        return cls(layout, placements, segments, HostMover(buffers, placements, layout.record_bytes), pid)
 
     @staticmethod
     def _placements(layout: CacheLayout, handles: Sequence[dict[str, Any]],
@@ -107,16 +107,6 @@ class Registration:
             if block >= limit:
                 raise OutOfRange(f"block id {block} is outside the registered pool of {limit} blocks",
                                  index=i, block_id=block, num_blocks=limit)
-
-    def plan(self, block_id: int) -> list[Copy]:
-        """Copies for one block into (or out of) one record-sized staging slot."""
-        return copy_plan(self.placements, [block_id], self.record_bytes)
-
-    def gather(self, block_id: int, slot: np.ndarray) -> None:
-        self.mover.gather(self.plan(block_id), slot)
-
-    def scatter(self, block_id: int, slot: np.ndarray) -> None:
-        self.mover.scatter(self.plan(block_id), slot)
 
     def engine_alive(self) -> bool:
         if self.pid <= 0:

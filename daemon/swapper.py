@@ -415,18 +415,11 @@ def _not_stored(store: Store, keys: Sequence[str], todo: list[int]) -> list[int]
 
 
 def _gather(registration: Registration, block_ids: list[int], slots: list[Any], deadline: Deadline) -> bool:
-    for block, slot in zip(block_ids, slots):
-        if not deadline.live():
-            return False
-        registration.gather(block, slot)
-    return True
+    return registration.mover.gather_blocks(block_ids, slots, deadline.live)
 
 
 def _scatter(registration: Registration, block_id: int, slot: Any, deadline: Deadline) -> bool:
-    if not deadline.live():
-        return False
-    registration.scatter(block_id, slot)
-    return True
+    return registration.mover.scatter_blocks([block_id], [slot], deadline.live)
 
 
 def _read_and_scatter(store: Store, registration: Registration, key: str, block_id: int, slot: Any,

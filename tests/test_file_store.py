@@ -1,0 +1,635 @@
+"""The file tier (kvswap.backends.file_store) against a real directory: byte-exact round
+trips, the index, damaged and misplaced records, restarts, permissions, temp-file reclaim, and
+faults injected through the ``Disk`` seam. Pure units, no daemon."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import stat
+import tempfile
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvswap.backends import file_store, record
+from kvswap.backends.base import GetStatus
+from kvswap.backends.file_store import Disk, FileBackend, FileStore, record_name
+from kvswap.protocol.errors import IOFailure, NoSpace
+from kvswap.protocol.layout import CacheLayout
+
+LAYOUT = CacheLayout(model_id="test/model", num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8)
+RECORD_BYTES = LAYOUT.record_bytes  # 4 regions * 128 bytes
+NAMESPACE = LAYOUT.fingerprint()
+DESCRIPTION = LAYOUT.to_wire()
+DEAD_PID = 2**22 + 12345  # above the largest pid_max Linux allows, so never a live process
+
+
+def payload_for(seed: int, size: int = RECORD_BYTES) -> memoryview:
+    return memoryview(np.random.default_rng(seed).integers(0, 256, size=size, dtype=np.uint8).tobytes())
+
+
+def out_buffer(size: int = RECORD_BYTES) -> memoryview:
+    return memoryview(bytearray(b"\xee" * size))
+
+
+@pytest.fixture
+def root(tmp_path) -> str:
+    return str(tmp_path / "kv")  # not created yet: the store creates it, 0700
+
+
+@pytest.fixture
+def backend(root) -> FileBackend:
+    return FileBackend(root)
+
+
+@pytest.fixture
+def store(backend) -> FileStore:
+    return backend.open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
+
+
+def tmp_files(store: FileStore) -> list[str]:
+    return sorted(os.listdir(store.tmp_dir))
+
+
+def record_files(root: str) -> list[str]:
+    return sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files if f.endswith(".kvr"))
+
+
+# -- round trip and the index ---------------------------------------------------------------
+
+
+def test_put_then_get_is_byte_exact(store):
+    payloads = {f"key-{i}": payload_for(i) for i in range(5)}
+    for key, payload in payloads.items():
+        assert store.put(key, payload) == 256 + RECORD_BYTES
+    for key, payload in payloads.items():
+        out = out_buffer()
+        assert store.get_into(key, out) is GetStatus.LOADED
+        assert bytes(out) == bytes(payload)
+
+
+def test_get_into_numpy_staging(store):
+    """The daemon reads straight into staging slots (numpy arrays)."""
+    payload = payload_for(7)
+    store.put("k", payload)
+    out = np.zeros(RECORD_BYTES, dtype=np.uint8)
+    assert store.get_into("k", memoryview(out)) is GetStatus.LOADED
+    assert out.tobytes() == bytes(payload)
+
+
+def test_large_record_uses_page_header(backend):
+    size = 64 * 1024 + 100
+    store = backend.open_store("ab" * 16, {"big": True}, size)
+    payload = payload_for(3, size)
+    assert store.put("big", payload) == 4096 + size
+    (path,) = record_files(backend.root)
+    assert os.path.getsize(path) == 4096 + size
+    out = out_buffer(size)
+    assert store.get_into("big", out) is GetStatus.LOADED
+    assert bytes(out) == bytes(payload)
+
+
+def test_file_is_a_record_in_the_documented_format(store, backend):
+    payload = payload_for(1)
+    store.put("blk:01", payload)
+    name, path = store.path_of("blk:01")
+    assert name == record_name("blk:01")
+    assert path == os.path.join(backend.root, NAMESPACE, name[:2], name[2:4], name + ".kvr")
+    with open(path, "rb") as f:
+        data = f.read()
+    assert bytes(record.decode_record(data, bytes.fromhex(NAMESPACE), "blk:01")) == bytes(payload)
+
+
+def test_key_never_becomes_a_path(store, backend):
+    name, path = store.path_of("../../etc/passwd")
+    assert len(name) == 32 and all(c in "0123456789abcdef" for c in name)
+    assert os.path.dirname(os.path.dirname(os.path.dirname(path))) == os.path.join(backend.root, NAMESPACE)
+    assert "passwd" not in path
+
+
+def test_get_of_missing_key_is_a_miss(store):
+    assert store.get_into("never-stored", out_buffer()) is GetStatus.MISS
+    assert store.usage() == {"records": 0, "bytes": 0}
+    assert record_files(store.backend.root) == []
+
+
+def test_contains(store):
+    assert store.contains("a") is False
+    store.put("a", payload_for(1))
+    assert store.contains("a") is True
+    assert store.contains("b") is False
+
+
+def test_usage_counts_records_and_bytes(store):
+    per_file = 256 + RECORD_BYTES
+    assert store.usage() == {"records": 0, "bytes": 0}
+    for i in range(3):
+        store.put(f"k{i}", payload_for(i))
+    assert store.usage() == {"records": 3, "bytes": 3 * per_file}
+    store.put("k0", payload_for(99))  # replacing a key does not count it twice
+    assert store.usage() == {"records": 3, "bytes": 3 * per_file}
+    out = out_buffer()
+    assert store.get_into("k0", out) is GetStatus.LOADED
+    assert bytes(out) == bytes(payload_for(99))
+
+
+def test_put_refuses_wrong_size(store):
+    with pytest.raises(ValueError):
+        store.put("k", payload_for(1, RECORD_BYTES - 1))
+    with pytest.raises(ValueError):
+        store.put("k", payload_for(1, RECORD_BYTES + 1))
+    assert record_files(store.backend.root) == []
+    assert store.usage() == {"records": 0, "bytes": 0}
+
+
+def test_delete(store):
+    store.put("a", payload_for(1))
+    store.put("b", payload_for(2))
+    assert store.delete("a") is True
+    assert store.delete("a") is False
+    assert store.contains("a") is False
+    assert store.get_into("a", out_buffer()) is GetStatus.MISS
+    assert store.usage() == {"records": 1, "bytes": 256 + RECORD_BYTES}
+    out = out_buffer()
+    assert store.get_into("b", out) is GetStatus.LOADED
+    assert bytes(out) == bytes(payload_for(2))
+
+
+def test_clear(store, backend):
+    for i in range(4):
+        store.put(f"k{i}", payload_for(i))
+    assert len(record_files(backend.root)) == 4
+    assert store.clear() == 4
+    assert record_files(backend.root) == []
+    assert store.usage() == {"records": 0, "bytes": 0}
+    assert store.contains("k0") is False
+    assert store.get_into("k1", out_buffer()) is GetStatus.MISS
+    assert store.clear() == 0
+    # the namespace stays usable
+    store.put("k0", payload_for(5))
+    assert store.get_into("k0", out_buffer()) is GetStatus.LOADED
+
+
+def test_namespaces_do_not_see_each_other(backend):
+    a = backend.open_store("aa" * 16, {}, RECORD_BYTES)
+    b = backend.open_store("bb" * 16, {}, RECORD_BYTES)
+    a.put("shared-key", payload_for(1))
+    assert b.contains("shared-key") is False
+    assert b.get_into("shared-key", out_buffer()) is GetStatus.MISS
+    assert b.clear() == 0
+    assert a.get_into("shared-key", out_buffer()) is GetStatus.LOADED
+
+
+# -- damaged and misplaced records ------------------------------------------------------------
+
+
+def _assert_corrupt_and_gone(store: FileStore, key: str) -> None:
+    _, path = store.path_of(key)
+    assert store.get_into(key, out_buffer()) is GetStatus.CORRUPT
+    assert not os.path.exists(path)
+    assert store.contains(key) is False
+    assert store.get_into(key, out_buffer()) is GetStatus.MISS
+
+
+@pytest.mark.parametrize("offset", [0, 1, RECORD_BYTES // 2, RECORD_BYTES - 1])
+def test_flipped_payload_byte_is_corrupt_and_removed(store, offset):
+    store.put("k", payload_for(1))
+    store.put("other", payload_for(2))
+    _, path = store.path_of("k")
+    with open(path, "r+b") as f:
+        f.seek(256 + offset)
+        byte = f.read(1)
+        f.seek(256 + offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+    _assert_corrupt_and_gone(store, "k")
+    assert store.usage() == {"records": 1, "bytes": 256 + RECORD_BYTES}
+
+
+@pytest.mark.parametrize("offset", [0, 12, 60, 195])
+def test_flipped_header_byte_is_corrupt_and_removed(store, offset):
+    store.put("k", payload_for(1))
+    _, path = store.path_of("k")
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+    _assert_corrupt_and_gone(store, "k")
+
+
+@pytest.mark.parametrize("size", [0, 100, 256, 256 + RECORD_BYTES - 1])
+def test_truncated_file_is_corrupt_and_removed(store, size):
+    store.put("k", payload_for(1))
+    _, path = store.path_of("k")
+    os.truncate(path, size)
+    _assert_corrupt_and_gone(store, "k")
+
+
+def test_file_with_trailing_bytes_is_corrupt_and_removed(store):
+    store.put("k", payload_for(1))
+    _, path = store.path_of("k")
+    with open(path, "ab") as f:
+        f.write(b"\x00")
+    _assert_corrupt_and_gone(store, "k")
+
+
+def test_record_moved_onto_another_keys_path_is_corrupt(store):
+    store.put("key-a", payload_for(1))
+    store.put("key-b", payload_for(2))
+    _, path_a = store.path_of("key-a")
+    _, path_b = store.path_of("key-b")
+    with open(path_a, "rb") as f:
+        data = f.read()
+    with open(path_b, "wb") as f:
+        f.write(data)
+    _assert_corrupt_and_gone(store, "key-b")
+    out = out_buffer()
+    assert store.get_into("key-a", out) is GetStatus.LOADED
+    assert bytes(out) == bytes(payload_for(1))
+
+
+def test_record_of_another_namespace_is_corrupt(backend):
+    a = backend.open_store("aa" * 16, {}, RECORD_BYTES)
+    b = backend.open_store("bb" * 16, {}, RECORD_BYTES)
+    a.put("k", payload_for(1))
+    b.put("k", payload_for(2))
+    with open(a.path_of("k")[1], "rb") as f:
+        data = f.read()
+    with open(b.path_of("k")[1], "wb") as f:
+        f.write(data)
+    _assert_corrupt_and_gone(b, "k")
+
+
+# -- restart, sharing, layout on disk ---------------------------------------------------------
+
+
+def test_restart_finds_records_again(root, store):
+    payloads = {f"k{i}": payload_for(i) for i in range(6)}
+    for key, payload in payloads.items():
+        store.put(key, payload)
+
+    again = FileBackend(root).open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
+    assert again.usage() == {"records": 0, "bytes": 0}
+    assert again.scan() == 6
+    assert again.scan_complete.is_set()
+    assert again.usage() == {"records": 6, "bytes": 6 * (256 + RECORD_BYTES)}
+    for key, payload in payloads.items():
+        assert again.contains(key) is True
+        out = out_buffer()
+        assert again.get_into(key, out) is GetStatus.LOADED
+        assert bytes(out) == bytes(payload)
+    assert again.contains("not-there") is False
+
+
+def test_contains_sees_another_instances_write_without_scan(root, store):
+    neighbour = FileBackend(root).open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
+    assert neighbour.contains("k") is False
+    store.put("k", payload_for(1))
+    assert neighbour.contains("k") is True
+    assert neighbour.usage()["records"] == 1
+    out = out_buffer()
+    assert neighbour.get_into("k", out) is GetStatus.LOADED
+    assert bytes(out) == bytes(payload_for(1))
+
+
+def test_permissions_are_private(root, store):
+    other = store.backend.open_store("cd" * 16, {"x": 1}, RECORD_BYTES)
+    for i in range(5):
+        store.put(f"k{i}", payload_for(i))
+    other.put("k", payload_for(9))
+    dirs, files = [root], []
+    for d, subdirs, names in os.walk(root):
+        dirs += [os.path.join(d, s) for s in subdirs]
+        files += [os.path.join(d, n) for n in names]
+    assert len(files) == 5 + 1 + 2  # records + namespace.json of each namespace
+    for d in dirs:
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o700, d
+    for f in files:
+        assert stat.S_IMODE(os.stat(f).st_mode) == 0o600, f
+
+
+def test_namespace_json_holds_the_description(root, store):
+    path = os.path.join(root, NAMESPACE, "namespace.json")
+    with open(path) as f:
+        meta = json.load(f)
+    assert meta["namespace"] == NAMESPACE
+    assert meta["record_bytes"] == RECORD_BYTES
+    assert meta["record_format"] == record.FORMAT_VERSION
+    assert meta["layout"] == json.loads(json.dumps(DESCRIPTION))
+    assert tmp_files(store) == []  # written through a temp file that was renamed away
+
+
+def test_reopening_keeps_namespace_json(root, store):
+    path = os.path.join(root, NAMESPACE, "namespace.json")
+    with open(path, "rb") as f:
+        before = f.read()
+    FileBackend(root).open_store(NAMESPACE, {"something": "else"}, RECORD_BYTES)
+    with open(path, "rb") as f:
+        assert f.read() == before
+
+
+def test_check_writable_creates_private_root(root):
+    backend = FileBackend(root)
+    backend.check_writable()
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+    assert os.listdir(root) == []  # the probe is gone
+
+
+# -- temp files: reclaim the dead, keep the living ---------------------------------------------
+
+
+def _touch(store: FileStore, name: str) -> str:
+    path = os.path.join(store.tmp_dir, name)
+    with open(path, "wb") as f:
+        f.write(b"partial")
+    return path
+
+
+def test_scan_reclaims_dead_writers_temp_files(store):
+    with pytest.raises(ProcessLookupError):
+        os.kill(DEAD_PID, 0)
+    host, me, inst = socket.gethostname(), os.getpid(), store.backend.instance
+    n = record_name("k")
+    dead = _touch(store, f"{n}.{host}.{DEAD_PID}.deadbeef.0123abcd.tmp")
+    dead_ns = _touch(store, f"namespace.{host}.{DEAD_PID}.deadbeef.0123abcd.tmp")
+    predecessor = _touch(store, f"{n}.{host}.{me}.{'0' * 8 if inst != '0' * 8 else '1' * 8}.0123abcd.tmp")
+    mine = _touch(store, f"{n}.{host}.{me}.{inst}.0123abcd.tmp")
+    other_host = _touch(store, f"{n}.some-other-host.{DEAD_PID}.deadbeef.0123abcd.tmp")
+    not_ours = _touch(store, "README.txt")
+
+    assert store.scan() == 0
+    assert not os.path.exists(dead)
+    assert not os.path.exists(dead_ns)
+    assert not os.path.exists(predecessor)  # same pid, another instance: a restart in a container
+    assert os.path.exists(mine)
+    assert os.path.exists(other_host)  # another host's writer may be alive; not ours to judge
+    assert os.path.exists(not_ours)
+    assert tmp_files(store) == sorted(os.path.basename(p) for p in (mine, other_host, not_ours))
+
+
+def test_scan_keeps_a_live_neighbours_temp_file(store):
+    parent = os.getppid()  # alive while we run
+    host = socket.gethostname()
+    live = _touch(store, f"{record_name('k')}.{host}.{parent}.cafebabe.0123abcd.tmp")
+    store.scan()
+    assert os.path.exists(live)
+
+
+def test_scan_parses_dotted_host_names(root, monkeypatch):
+    monkeypatch.setattr(file_store.socket, "gethostname", lambda: "node-1.cluster.example.com")
+    store = FileBackend(root).open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
+    n = record_name("k")
+    dead = _touch(store, f"{n}.node-1.cluster.example.com.{DEAD_PID}.deadbeef.0123abcd.tmp")
+    other = _touch(store, f"{n}.node-1.cluster.example.org.{DEAD_PID}.deadbeef.0123abcd.tmp")
+    store.scan()
+    assert not os.path.exists(dead)
+    assert os.path.exists(other)
+
+
+def test_scan_ignores_temp_files_when_counting_records(store):
+    store.put("k", payload_for(1))
+    _touch(store, f"{record_name('x')}.{socket.gethostname()}.{os.getpid()}.{store.backend.instance}.00.tmp")
+    assert store.scan() == 1
+
+
+# -- faults through the Disk seam --------------------------------------------------------------
+
+
+def _raise(err: int):
+    def fail(*args, **kwargs):
+        raise OSError(err, os.strerror(err))
+    return fail
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EDQUOT])
+def test_write_without_space_is_no_space(store, monkeypatch, err):
+    monkeypatch.setattr(store.disk, "write_file", _raise(err))
+    with pytest.raises(NoSpace) as info:
+        store.put("k", payload_for(1))
+    assert info.value.details["path"] == store.path_of("k")[1]
+    assert store.usage() == {"records": 0, "bytes": 0}
+    assert store.contains("k") is False
+
+
+@pytest.mark.parametrize("err", [errno.EACCES, errno.EROFS, errno.EIO])
+def test_write_failure_is_io_failure_with_errno(store, monkeypatch, err):
+    monkeypatch.setattr(store.disk, "write_file", _raise(err))
+    with pytest.raises(IOFailure) as info:
+        store.put("k", payload_for(1))
+    assert info.value.details["errno"] == err
+    assert info.value.details["path"] == store.path_of("k")[1]
+    assert store.usage() == {"records": 0, "bytes": 0}
+    assert store.contains("k") is False
+
+
+def test_read_failure_is_io_failure_and_keeps_the_record(store, monkeypatch):
+    store.put("k", payload_for(1))
+    _, path = store.path_of("k")
+    monkeypatch.setattr(store.disk, "read_file", _raise(errno.EIO))
+    with pytest.raises(IOFailure) as info:
+        store.get_into("k", out_buffer())
+    assert info.value.details["errno"] == errno.EIO
+    assert os.path.exists(path)  # a failing medium is not a corrupt record
+    monkeypatch.undo()
+    out = out_buffer()
+    assert store.get_into("k", out) is GetStatus.LOADED
+    assert bytes(out) == bytes(payload_for(1))
+
+
+def test_delete_failure_is_io_failure(store, monkeypatch):
+    store.put("k", payload_for(1))
+    monkeypatch.setattr(store.disk, "remove", _raise(errno.EROFS))
+    with pytest.raises(IOFailure) as info:
+        store.delete("k")
+    assert info.value.details["errno"] == errno.EROFS
+
+
+def test_vanished_file_is_a_miss(store):
+    store.put("k", payload_for(1))
+    os.unlink(store.path_of("k")[1])
+    assert store.get_into("k", out_buffer()) is GetStatus.MISS
+    assert store.usage() == {"records": 0, "bytes": 0}
+
+
+def _writev_that_fails_after(nbytes: int, err: int):
+    real = os.writev
+
+    def writev(fd, buffers):
+        data = b"".join(bytes(b) for b in buffers)
+        real(fd, [data[:nbytes]])
+        raise OSError(err, os.strerror(err))
+    return writev
+
+
+@pytest.mark.parametrize("err, exc", [(errno.ENOSPC, NoSpace), (errno.EIO, IOFailure)])
+def test_failed_write_leaves_no_temp_file(store, monkeypatch, err, exc):
+    monkeypatch.setattr(file_store.os, "writev", _writev_that_fails_after(100, err))
+    with pytest.raises(exc):
+        store.put("k", payload_for(1))
+    monkeypatch.undo()
+    assert tmp_files(store) == []
+    assert record_files(store.backend.root) == []
+    assert store.get_into("k", out_buffer()) is GetStatus.MISS
+
+
+def test_failed_overwrite_keeps_the_old_record(store, monkeypatch):
+    store.put("k", payload_for(1))
+    monkeypatch.setattr(file_store.os, "writev", _writev_that_fails_after(300, errno.ENOSPC))
+    with pytest.raises(NoSpace):
+        store.put("k", payload_for(2))
+    monkeypatch.undo()
+    assert tmp_files(store) == []
+    out = out_buffer()
+    assert store.get_into("k", out) is GetStatus.LOADED
+    assert bytes(out) == bytes(payload_for(1))
+
+
+def test_failed_fdatasync_leaves_no_temp_file(root, monkeypatch):
+    store = FileBackend(root, fsync="data").open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
+    monkeypatch.setattr(file_store.os, "fdatasync", _raise(errno.EIO))
+    with pytest.raises(IOFailure) as info:
+        store.put("k", payload_for(1))
+    monkeypatch.undo()
+    assert info.value.details["errno"] == errno.EIO
+    assert tmp_files(store) == []
+    assert record_files(root) == []
+
+
+def test_failed_rename_leaves_no_temp_file(store, monkeypatch):
+    monkeypatch.setattr(file_store.os, "rename", _raise(errno.EXDEV))
+    with pytest.raises(IOFailure) as info:
+        store.put("k", payload_for(1))
+    monkeypatch.undo()
+    assert info.value.details["errno"] == errno.EXDEV
+    assert tmp_files(store) == []
+    assert record_files(store.backend.root) == []
+
+
+def test_short_writes_are_completed(store, monkeypatch):
+    """A file system may write fewer bytes than asked (after a signal, on some network file
+    systems); the writer carries on from where it stopped."""
+    real = os.writev
+    calls = []
+
+    def writev(fd, buffers):
+        data = b"".join(bytes(b) for b in buffers)
+        calls.append(len(data))
+        return real(fd, [data[:7]])
+
+    monkeypatch.setattr(file_store.os, "writev", writev)
+    payload = payload_for(4)
+    assert store.put("k", payload) == 256 + RECORD_BYTES
+    monkeypatch.undo()
+    total = 256 + RECORD_BYTES
+    assert len(calls) == -(-total // 7)
+    assert calls == [total - 7 * i for i in range(len(calls))]  # each call asks for exactly the rest
+    out = out_buffer()
+    assert store.get_into("k", out) is GetStatus.LOADED
+    assert bytes(out) == bytes(payload)
+    assert tmp_files(store) == []
+
+
+class RecordingDisk(Disk):
+    """The real Disk, remembering which temp names it was given."""
+
+    def __init__(self) -> None:
+        super().__init__("none")
+        self.tmp_seen: list[str] = []
+
+    def write_file(self, tmp, final, parts):
+        self.tmp_seen.append(tmp)
+        return super().write_file(tmp, final, parts)
+
+
+def test_temp_file_is_named_for_its_writer_and_removed_on_failure(root, monkeypatch):
+    disk = RecordingDisk()
+    backend = FileBackend(root, disk=disk)
+    store = backend.open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
+    disk.tmp_seen.clear()  # namespace.json went through it too
+
+    seen_during_write = []
+    real = os.writev
+
+    def writev(fd, buffers):
+        seen_during_write.extend(os.listdir(store.tmp_dir))  # the temp file exists mid-write
+        real(fd, [bytes(buffers[0])[:10]])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(file_store.os, "writev", writev)
+    with pytest.raises(NoSpace):
+        store.put("k", payload_for(1))
+    monkeypatch.undo()
+
+    (tmp,) = disk.tmp_seen
+    assert seen_during_write == [os.path.basename(tmp)]
+    assert os.path.dirname(tmp) == store.tmp_dir
+    parts = os.path.basename(tmp).split(".")
+    host = socket.gethostname().split(".")
+    assert parts[0] == record_name("k")
+    assert parts[1:1 + len(host)] == host
+    assert parts[-4:-2] == [str(os.getpid()), backend.instance]
+    assert parts[-1] == "tmp"
+    assert tmp_files(store) == []
+    assert record_files(root) == []
+
+
+def test_fsync_mode_is_checked():
+    with pytest.raises(ValueError):
+        Disk("sometimes")
+    for mode in file_store.FSYNC_MODES:
+        assert Disk(mode).fsync == mode
+
+
+@pytest.mark.parametrize("fsync", ["data", "strict"])
+def test_fsync_modes_round_trip(root, fsync):
+    store = FileBackend(root, fsync=fsync).open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
+    store.put("k", payload_for(1))
+    out = out_buffer()
+    assert store.get_into("k", out) is GetStatus.LOADED
+    assert bytes(out) == bytes(payload_for(1))
+
+
+# -- against a model ---------------------------------------------------------------------------
+
+_KEY_FIRST = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_"
+_keys = st.builds(lambda a, b: a + b, st.sampled_from(_KEY_FIRST), st.text(_KEY_FIRST + ".:=+-", max_size=127))
+_ops = st.lists(st.tuples(st.sampled_from(["put", "get", "contains", "delete", "restart"]),
+                          st.integers(0, 5), st.integers(0, 2**16)), max_size=25)
+
+
+@settings(max_examples=30, deadline=None)
+@given(keys=st.lists(_keys, min_size=6, max_size=6, unique=True), ops=_ops)
+def test_store_behaves_like_a_dict(keys, ops):
+    with tempfile.TemporaryDirectory() as tmp:
+        root = os.path.join(tmp, "kv")
+        store = FileBackend(root).open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
+        model: dict[str, bytes] = {}
+        for op, k, seed in ops:
+            key = keys[k]
+            if op == "put":
+                payload = payload_for(seed)
+                store.put(key, payload)
+                model[key] = bytes(payload)
+            elif op == "get":
+                out = out_buffer()
+                status = store.get_into(key, out)
+                if key in model:
+                    assert status is GetStatus.LOADED and bytes(out) == model[key]
+                else:
+                    assert status is GetStatus.MISS
+            elif op == "contains":
+                assert store.contains(key) is (key in model)
+            elif op == "delete":
+                assert store.delete(key) is (key in model)
+                model.pop(key, None)
+            else:
+                store = FileBackend(root).open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
+                assert store.scan() == len(model)
+        assert store.usage() == {"records": len(model), "bytes": len(model) * (256 + RECORD_BYTES)}
+        assert len(record_files(root)) == len(model)
+        assert tmp_files(store) == []

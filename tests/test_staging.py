@@ -1,0 +1,116 @@
+"""The bounded staging pool (kvswap.daemon.staging): slot sizes and alignment, all-or-nothing
+takes, reference counting. Pure units."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvswap.daemon.staging import ALIGN, StagingPool, aligned_empty
+
+
+def test_aligned_empty_is_aligned_and_sized():
+    for nbytes in (1, 100, 4096, 4097, 3 * 4096 + 5):
+        a = aligned_empty(nbytes)
+        assert a.ctypes.data % 4096 == 0
+        assert a.nbytes == nbytes and a.dtype == np.uint8
+    b = aligned_empty(10, align=512)
+    assert b.ctypes.data % 512 == 0
+
+
+@pytest.mark.parametrize("record_bytes, slot_bytes", [(1, 4096), (4096, 4096), (4097, 8192), (10_000, 12288)])
+def test_slots_are_aligned_sized_and_disjoint(record_bytes, slot_bytes):
+    pool = StagingPool(record_bytes, budget_bytes=4 * slot_bytes)
+    assert ALIGN == 4096
+    assert pool.slot_bytes == slot_bytes
+    assert pool.capacity == 4 and pool.free == 4 and pool.in_use == 0
+    slots = pool.try_take(4)
+    assert slots is not None and len(slots) == 4
+    assert len({s.index for s in slots}) == 4
+    for i, slot in enumerate(slots):
+        assert slot.view.ctypes.data % 4096 == 0
+        assert slot.view.nbytes == record_bytes
+        slot.view[:] = i + 1
+    # writing one slot never touched another
+    for i, slot in enumerate(slots):
+        assert np.count_nonzero(slot.view != i + 1) == 0
+
+
+def test_capacity_follows_budget():
+    assert StagingPool(4096, budget_bytes=10 * 4096).capacity == 10
+    assert StagingPool(4096, budget_bytes=10 * 4096 + 4095).capacity == 10
+    assert StagingPool(5000, budget_bytes=10 * 8192).capacity == 10
+    # a budget below one slot still gets one, so the daemon can move a block at all
+    assert StagingPool(4096, budget_bytes=0).capacity == 1
+
+
+def test_try_take_is_all_or_nothing():
+    pool = StagingPool(100, budget_bytes=3 * 4096)
+    first = pool.try_take(2)
+    assert first is not None and len(first) == 2
+    assert pool.free == 1 and pool.in_use == 2
+    assert pool.try_take(2) is None
+    assert pool.free == 1  # a refused take holds nothing
+    assert pool.try_take(4) is None
+    assert pool.free == 1
+    last = pool.try_take(1)
+    assert last is not None and len(last) == 1
+    assert pool.free == 0
+    assert pool.try_take(1) is None
+    assert {s.index for s in first + last} == {0, 1, 2}
+    assert pool.try_take(0) == []
+
+
+def test_release_returns_slots():
+    pool = StagingPool(100, budget_bytes=2 * 4096)
+    slots = pool.try_take(2)
+    assert slots is not None
+    assert pool.try_take(1) is None
+    slots[0].release()
+    assert pool.free == 1 and pool.in_use == 1
+    again = pool.try_take(1)
+    assert again is not None and again[0] is slots[0]
+    again[0].release()
+    slots[1].release()
+    assert pool.free == 2 and pool.in_use == 0
+    assert pool.try_take(2) is not None
+
+
+def test_retain_keeps_slot_until_last_release():
+    pool = StagingPool(100, budget_bytes=4096)
+    (slot,) = pool.try_take(1)
+    assert slot.retain() is slot
+    slot.retain()
+    slot.release()
+    assert pool.free == 0
+    slot.release()
+    assert pool.free == 0
+    assert pool.try_take(1) is None
+    slot.release()
+    assert pool.free == 1
+    assert pool.try_take(1) == [slot]
+
+
+def test_double_release_raises():
+    pool = StagingPool(100, budget_bytes=2 * 4096)
+    (slot,) = pool.try_take(1)
+    slot.release()
+    with pytest.raises(RuntimeError, match="released twice"):
+        slot.release()
+    # the slot was returned once, not twice
+    assert pool.free == 2
+    assert len(pool.try_take(2)) == 2
+    assert pool.try_take(1) is None
+
+
+def test_retake_resets_refcount():
+    """A slot taken again after its release is held exactly once by the new taker."""
+    pool = StagingPool(100, budget_bytes=4096)
+    (slot,) = pool.try_take(1)
+    slot.retain()
+    slot.release()
+    slot.release()
+    (again,) = pool.try_take(1)
+    assert again is slot
+    again.release()
+    assert pool.free == 1
