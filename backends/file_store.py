@@ -5,39 +5,64 @@ Layout of a namespace directory::
     <root>/<namespace>/namespace.json     what the fingerprint stands for (model, dtype, ...)
     <root>/<namespace>/ab/cd/<name>.kvr   records; <name> = xxh3-128 hex of the key
     <root>/<namespace>/tmp/               records being written
+    <root>/<namespace>/evict.lock         flock'ed by the one daemon that evicts
 
 A key never becomes a path: the file name is a hash of it, and the key itself is kept in the
 record header, so two keys whose names collide are told apart on read. Records are written to
 a unique temp file and renamed into place, so a reader (or a restart after SIGKILL) sees
-either the whole record or none. Files are 0600, directories 0700.
+either the whole record or none; the index is updated after the rename and files are deleted
+last. Files are 0600, directories 0700.
 
-``Disk`` holds every system call that touches record files; tests inject faults by patching
-one of its methods.
+Capacity: with ``max_bytes`` set, a write first reserves its bytes; if the directory would go
+over the cap, least recently used records are evicted down to the low watermark before the
+write starts, so the directory never holds more than the cap. Background eviction keeps
+usage under the high watermark (and free space above ``min_free_bytes``). A record being read
+is pinned and never evicted; a file that cannot be deleted is set aside and counted, so one
+bad file cannot wedge eviction. Recency survives a restart through the files' mtimes, which
+every read refreshes.
+
+Shared directories: several daemons (and hosts, on NFS) may use one root. Temp names are
+unique per writer, a rename that replaces another writer's copy of the same record is a
+success, ``contains`` falls back to the directory for records others wrote, and exactly one
+daemon per namespace evicts: the holder of ``evict.lock`` (flock). When it dies the kernel
+drops the lock and the next daemon's maintenance pass takes over.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import logging
 import os
 import secrets
 import socket
 import threading
-from typing import Any, Final
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Final, Iterator
 
+import numpy as np
 import xxhash
 
 from kvswap.protocol.errors import Corrupt, IOFailure, NoSpace
 
 from . import record
 from .base import Backend, GetStatus, Store
+from .disk import DIRECT_IO_MODES, FSYNC_MODES, Disk, make_private_dirs
+from .file_index import RecordIndex
+
+__all__ = ["FSYNC_MODES", "DIRECT_IO_MODES", "Capacity", "Disk", "FileBackend", "FileStore", "make_private_dirs",
+           "record_name"]
 
 log = logging.getLogger(__name__)
 
 RECORD_SUFFIX: Final = ".kvr"
 TMP_SUFFIX: Final = ".tmp"
-FSYNC_MODES: Final = ("none", "data", "strict")
+LOCK_NAME: Final = "evict.lock"
+#: A temp file this old is garbage whoever wrote it: no record write takes an hour.
+STALE_TEMP_S: Final = 3600
 _SPACE_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
@@ -51,88 +76,37 @@ def _io_error(exc: OSError, action: str, path: str) -> Exception:
     return IOFailure(f"cannot {action}: {exc.strerror or exc}", path=path, errno=exc.errno or 0)
 
 
-class Disk:
-    """The file-system seam: every system call on record files goes through here."""
+@dataclass(frozen=True)
+class Capacity:
+    """How much the file tier may hold. 0 means no limit."""
 
-    def __init__(self, fsync: str = "none") -> None:
-        if fsync not in FSYNC_MODES:
-            raise ValueError(f"fsync must be one of {FSYNC_MODES}")
-        self.fsync = fsync
+    max_bytes: int = 0
+    min_free_bytes: int = 0
+    #: Background eviction starts above ``high * max_bytes`` and stops at ``low * max_bytes``.
+    high: float = 0.95
+    low: float = 0.85
 
-    def write_file(self, tmp: str, final: str, parts: list[memoryview | bytes]) -> int:
-        """Write ``parts`` to ``tmp``, then rename it onto ``final``. Returns bytes written."""
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            total = sum(len(p) for p in parts)
-            written = os.writev(fd, parts)
-            while written < total:  # short writes happen on signals and some file systems
-                rest = _skip(parts, written)
-                written += os.writev(fd, rest)
-            if self.fsync != "none":
-                os.fdatasync(fd)
-        except BaseException:
-            os.close(fd)
-            self.remove(tmp)
-            raise
-        os.close(fd)
-        try:
-            os.rename(tmp, final)
-        except BaseException:
-            self.remove(tmp)
-            raise
-        if self.fsync == "strict":
-            self.sync_dir(os.path.dirname(final))
-        return total
-
-    def read_file(self, path: str, parts: list[memoryview | bytearray]) -> tuple[int, int]:
-        """Read into ``parts`` from offset 0. Returns (bytes read, file size)."""
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            size = os.fstat(fd).st_size
-            return os.preadv(fd, parts, 0), size
-        finally:
-            os.close(fd)
-
-    def remove(self, path: str) -> bool:
-        try:
-            os.unlink(path)
-            return True
-        except FileNotFoundError:
-            return False
-
-    def exists(self, path: str) -> bool:
-        return os.path.exists(path)
-
-    def make_dirs(self, path: str) -> None:
-        make_private_dirs(path)
-
-    def sync_dir(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _skip(parts: list[memoryview | bytes], n: int) -> list[memoryview]:
-    """The parts left after the first ``n`` bytes were written."""
-    rest = []
-    for part in parts:
-        view = memoryview(part)
-        if n >= len(view):
-            n -= len(view)
-            continue
-        rest.append(view[n:])
-        n = 0
-    return rest
+    def __post_init__(self) -> None:
+        if self.max_bytes < 0 or self.min_free_bytes < 0:
+            raise ValueError("capacity limits must be >= 0")
+        if not 0 < self.low < self.high <= 1:
+            raise ValueError("watermarks must satisfy 0 < low < high <= 1")
 
 
 class FileBackend(Backend):
     tier = "file"
 
-    def __init__(self, root: str, fsync: str = "none", disk: Disk | None = None) -> None:
+    def __init__(self, root: str, fsync: str = "none", disk: Disk | None = None, capacity: Capacity | None = None,
+                 direct_io: str = "off", rescan_interval_s: float = 0.0) -> None:
+        if direct_io not in DIRECT_IO_MODES:
+            raise ValueError(f"direct_io must be one of {DIRECT_IO_MODES}")
         self.root = os.path.abspath(root)
         self.disk = disk or Disk(fsync)
+        self.capacity = capacity or Capacity()
+        self.direct_io = direct_io
+        #: How often the evicting daemon re-lists the directory to see other writers' records
+        #: (0: only at start-up; set it when the directory is shared).
+        self.rescan_interval_s = rescan_interval_s
         # Temp names carry host, pid and a per-process token, so writers sharing a directory
         # never collide and a restart can tell its predecessor's leftovers (same pid is common
         # in containers) from a live neighbour's.
@@ -140,12 +114,19 @@ class FileBackend(Backend):
         self._writer_tag = f"{socket.gethostname()}.{os.getpid()}.{self.instance}"
 
     def check_writable(self) -> None:
-        """Create the root (0700) and prove we can write in it; raises ``OSError``."""
+        """Create the root (0700), prove we can write in it, and settle O_DIRECT; raises
+        ``OSError``."""
         make_private_dirs(self.root)
         probe = os.path.join(self.root, f".probe.{self._writer_tag}.{secrets.token_hex(4)}")
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         os.close(fd)
         os.unlink(probe)
+        if self.direct_io != "off":
+            works = Disk.probe_direct(self.root)
+            if self.direct_io == "on" and not works:
+                raise OSError(errno.EINVAL, "O_DIRECT is not supported here (--direct-io on)")
+            self.disk.direct = works
+            log.info("direct I/O %s in %s", "on" if works else "unavailable, using buffered I/O", self.root)
 
     def open_store(self, namespace: str, description: dict[str, Any], record_bytes: int) -> "FileStore":
         return FileStore(self, namespace, description, record_bytes)
@@ -157,6 +138,7 @@ class FileStore(Store):
     def __init__(self, backend: FileBackend, namespace: str, description: dict[str, Any], record_bytes: int) -> None:
         self.backend = backend
         self.disk = backend.disk
+        self.capacity = backend.capacity
         self.namespace = namespace
         self.namespace_bytes = bytes.fromhex(namespace)
         self.record_bytes = record_bytes
@@ -164,79 +146,137 @@ class FileStore(Store):
         self.file_bytes = self.header_len + record_bytes
         self.dir = os.path.join(backend.root, namespace)
         self.tmp_dir = os.path.join(self.dir, "tmp")
-        # name -> bytes on disk. A dict is enough for membership; the scan fills it after a
-        # restart, and lookups fall back to the directory for names it has not seen.
-        self._index: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self._bytes = 0
+        self.index = RecordIndex()
+        self.counters: Counter[str] = Counter()
+        self._counter_lock = threading.Lock()
         self.scan_complete = threading.Event()
+        self.scan_seconds = 0.0
+        self._reserved = 0
+        self._admission = threading.Lock()
+        self._lock_fd: int | None = None
+        self._last_rescan = 0.0
         self._prepare(description)
 
-    # -- layout on disk ---------------------------------------------------------------------
+    # -- layout on disk ---------------------------------------------------------------------------
 
     def _prepare(self, description: dict[str, Any]) -> None:
-        self.disk.make_dirs(self.tmp_dir)
         meta_path = os.path.join(self.dir, "namespace.json")
-        if not os.path.exists(meta_path):
-            body = json.dumps({"namespace": self.namespace, "record_bytes": self.record_bytes,
-                               "record_format": record.FORMAT_VERSION, "layout": description},
-                              indent=2, sort_keys=True).encode()
-            tmp = os.path.join(self.tmp_dir, f"namespace.{self.backend._writer_tag}.{secrets.token_hex(4)}{TMP_SUFFIX}")
-            self.disk.write_file(tmp, meta_path, [body])
+        try:
+            self.disk.make_dirs(self.tmp_dir)
+            if not os.path.exists(meta_path):
+                body = json.dumps({"namespace": self.namespace, "record_bytes": self.record_bytes,
+                                   "record_format": record.FORMAT_VERSION, "layout": description},
+                                  indent=2, sort_keys=True).encode()
+                self.disk.write_file(self._tmp_path("namespace"), meta_path, [body])
+        except OSError as exc:
+            raise _io_error(exc, "prepare the namespace directory", self.dir) from None
 
     def path_of(self, key: str) -> tuple[str, str]:
         name = record_name(key)
-        return name, os.path.join(self.dir, name[:2], name[2:4], name + RECORD_SUFFIX)
+        return name, self._path(name)
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.dir, name[:2], name[2:4], name + RECORD_SUFFIX)
 
     def _tmp_path(self, name: str) -> str:
         return os.path.join(self.tmp_dir, f"{name}.{self.backend._writer_tag}.{secrets.token_hex(4)}{TMP_SUFFIX}")
 
-    # -- Store ------------------------------------------------------------------------------
+    # -- Store ------------------------------------------------------------------------------------
 
     def put(self, key: str, payload: memoryview) -> int:
         if len(payload) != self.record_bytes:
             raise ValueError(f"payload of {len(payload)} bytes, the namespace stores {self.record_bytes}")
         name, path = self.path_of(key)
-        header = record.encode_header(self.namespace_bytes, key, len(payload), record.payload_checksum(payload))
+        header = self._header(key, payload)
+        self._admit(self.file_bytes)
         try:
-            self.disk.make_dirs(os.path.dirname(path))
-            size = self.disk.write_file(self._tmp_path(name), path, [header, payload])
-        except OSError as exc:
-            raise _io_error(exc, "write a record", path) from None
-        self._remember(name, size)
+            size = self._write(name, path, header, payload)
+        finally:
+            with self._admission:
+                self._reserved -= self.file_bytes
+        self.index.add(name, size)
         return size
 
+    def _header(self, key: str, payload: memoryview) -> memoryview | bytes:
+        header = record.encode_header(self.namespace_bytes, key, len(payload), record.payload_checksum(payload))
+        if self.disk.direct and len(header) % 4096 == 0:
+            aligned = _aligned(len(header))  # O_DIRECT needs an aligned buffer for the header too
+            aligned[:] = header
+            return memoryview(aligned)
+        return header
+
+    def _write(self, name: str, path: str, header: memoryview | bytes, payload: memoryview) -> int:
+        for attempt in (1, 2):
+            try:
+                self.disk.make_dirs(os.path.dirname(path))
+                return self.disk.write_file(self._tmp_path(name), path, [header, payload])
+            except OSError as exc:
+                if exc.errno in _SPACE_ERRNOS and attempt == 1 and self.is_leader:
+                    # The disk filled under us (other tenants, or no cap set): make room, retry once.
+                    self._count("enospc_retries", 1)
+                    if self.evict(max(4 * self.file_bytes, self.index.bytes // 100), "enospc"):
+                        continue
+                raise _io_error(exc, "write a record", path) from None
+        raise AssertionError("unreachable")
+
+    def _admit(self, nbytes: int) -> None:
+        """Reserve room for a write, evicting first if the cap would be passed. Only the
+        evicting daemon enforces the cap at write time; in a shared directory the others rely
+        on its background passes."""
+        cap = self.capacity.max_bytes
+        while True:
+            with self._admission:
+                projected = self.index.bytes + self._reserved + nbytes
+                over = cap and projected > cap and self.scan_complete.is_set()
+                if not over or not (self.is_leader or self.try_lead()):
+                    self._reserved += nbytes
+                    return
+                need = projected - int(cap * self.capacity.low)
+            if not self.evict(need, "capacity"):
+                raise NoSpace("the store is at its cap and nothing can be evicted (all records pinned or stuck)",
+                              max_bytes=cap, used=self.index.bytes)
+
     def get_into(self, key: str, out: memoryview) -> GetStatus:
+        if len(out) != self.record_bytes:
+            raise ValueError(f"output buffer of {len(out)} bytes, records hold {self.record_bytes}")
         name, path = self.path_of(key)
-        header_buf = bytearray(self.header_len)
+        header_buf = _aligned(self.header_len) if self.disk.direct else bytearray(self.header_len)
+        self.index.pin(name)
         try:
-            n, size = self.disk.read_file(path, [header_buf, out])
-        except FileNotFoundError:
-            self._forget(name)
-            return GetStatus.MISS
-        except OSError as exc:
-            raise _io_error(exc, "read a record", path) from None
+            try:
+                n, size = self.disk.read_file(path, [header_buf, out])
+            except FileNotFoundError:
+                self.index.remove(name)
+                return GetStatus.MISS
+            except OSError as exc:
+                raise _io_error(exc, "read a record", path) from None
+            try:
+                if n != self.file_bytes or size != self.file_bytes:
+                    raise Corrupt("record has the wrong size", size=size, expected=self.file_bytes)
+                header = record.decode_header(memoryview(header_buf))
+                record.verify(header, self.namespace_bytes, key, out)
+            except Corrupt as exc:
+                log.warning("corrupt record %s for key %s: %s; removing it", path, key, exc.message)
+                self._count("corrupt", 1)
+                self._discard(name, path)
+                return GetStatus.CORRUPT
+        finally:
+            self.index.unpin(name)
+        self.index.add(name, size)
         try:
-            if n != self.file_bytes or size != self.file_bytes:
-                raise Corrupt("record has the wrong size", size=size, expected=self.file_bytes)
-            header = record.decode_header(header_buf)
-            record.verify(header, self.namespace_bytes, key, out)
-        except Corrupt as exc:
-            log.warning("corrupt record %s for key %s: %s; removing it", path, key, exc.message)
-            self.disk.remove(path)
-            self._forget(name)
-            return GetStatus.CORRUPT
-        self._remember(name, size)
+            self.disk.touch(path)
+        except OSError:
+            pass  # recency on disk is a hint; a read-only directory still serves reads
         return GetStatus.LOADED
 
     def contains(self, key: str) -> bool:
         name, path = self.path_of(key)
-        if name in self._index:
+        if self.index.touch(name):
             return True
         # Not indexed: the start-up scan may not have reached it, or another daemon sharing
         # the directory wrote it. One stat settles it.
         if self.disk.exists(path):
-            self._remember(name, self.file_bytes)
+            self.index.add(name, self.file_bytes)
             return True
         return False
 
@@ -246,7 +286,7 @@ class FileStore(Store):
             removed = self.disk.remove(path)
         except OSError as exc:
             raise _io_error(exc, "delete a record", path) from None
-        self._forget(name)
+        self.index.remove(name)
         return removed
 
     def clear(self) -> int:
@@ -256,86 +296,190 @@ class FileStore(Store):
                 removed += self.disk.remove(path)
             except OSError as exc:
                 log.warning("cannot remove %s: %s", path, exc)
-        with self._lock:
-            self._index.clear()
-            self._bytes = 0
+        self.index.clear()
         return removed
 
     def usage(self) -> dict[str, int]:
-        with self._lock:
-            return {"records": len(self._index), "bytes": self._bytes}
+        return {"records": len(self.index), "bytes": self.index.bytes}
 
-    # -- start-up scan ------------------------------------------------------------------------
+    def close(self) -> None:
+        self.release_lead()
+
+    def _discard(self, name: str, path: str) -> None:
+        """Remove a bad record; if even that fails, it is still never served (the check fails
+        again next time)."""
+        try:
+            self.disk.remove(path)
+        except OSError as exc:
+            log.warning("cannot remove corrupt record %s: %s", path, exc)
+        self.index.remove(name)
+
+    # -- eviction ---------------------------------------------------------------------------------
+
+    @property
+    def is_leader(self) -> bool:
+        return self._lock_fd is not None
+
+    def try_lead(self) -> bool:
+        """Become the namespace's evicting daemon if nobody holds ``evict.lock``."""
+        if self._lock_fd is not None:
+            return True
+        path = os.path.join(self.dir, LOCK_NAME)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            log.warning("cannot open %s: %s", path, exc)
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{self.backend._writer_tag}\n".encode())
+        self._lock_fd = fd
+        self._count("leader_elections", 1)
+        log.info("this daemon now evicts for namespace %s", self.namespace)
+        return True
+
+    def release_lead(self) -> None:
+        if self._lock_fd is not None:
+            fd, self._lock_fd = self._lock_fd, None
+            os.close(fd)  # closing drops the flock
+
+    def evict(self, need_bytes: int, reason: str) -> int:
+        """Delete least recently used, unpinned records until ``need_bytes`` are freed or none
+        are left. Returns bytes freed."""
+        freed = 0
+        while freed < need_bytes:
+            victim = self.index.take_victim()
+            if victim is None:
+                break
+            name, size = victim
+            path = self._path(name)
+            try:
+                if self.disk.remove(path):
+                    self._count(f"evicted_{reason}", 1)
+                freed += size  # a file already gone (another writer's delete) frees its bytes too
+            except OSError as exc:
+                log.warning("cannot evict %s: %s; setting it aside", path, exc)
+                self._count("eviction_failures", 1)
+                self.index.mark_stuck(name, size)
+        return freed
+
+    def maintain(self, now: float | None = None) -> None:
+        """One background pass: claim leadership if free; as leader, refresh the index when it
+        is due and evict down to the watermarks."""
+        if not self.scan_complete.is_set() or not self.try_lead():
+            return
+        now = time.monotonic() if now is None else now
+        interval = self.backend.rescan_interval_s
+        if interval and now - self._last_rescan >= interval:
+            self.index.replace_all(self._list_records())
+            self._last_rescan = now
+        cap = self.capacity
+        if cap.max_bytes and self.index.bytes > cap.high * cap.max_bytes:
+            self.evict(self.index.bytes - int(cap.low * cap.max_bytes), "capacity")
+        if cap.min_free_bytes:
+            try:
+                free = self.disk.free_bytes(self.dir)
+            except OSError:
+                return
+            if free < cap.min_free_bytes:
+                self.evict(cap.min_free_bytes - free + max(self.index.bytes // 20, self.file_bytes), "min_free")
+
+    def free_bytes(self) -> int | None:
+        try:
+            return self.disk.free_bytes(self.dir)
+        except OSError:
+            return None
+
+    # -- start-up scan ------------------------------------------------------------------------------
 
     def scan(self) -> int:
-        """Index every record in the directory and remove this host's dead writers' temp
-        files. Safe to run while serving: ``contains`` falls back to the directory meanwhile."""
-        self._reclaim_temp_files()
-        found = 0
-        for path in self._record_paths():
-            name = os.path.basename(path)[: -len(RECORD_SUFFIX)]
-            try:
-                size = os.stat(path).st_size
-            except FileNotFoundError:
-                continue
-            self._remember(name, size)
-            found += 1
+        """Index every record in the directory and reclaim dead writers' temp files. Safe to
+        run while serving: ``contains`` falls back to the directory meanwhile."""
+        started = time.monotonic()
+        self._count("temp_reclaimed", self._reclaim_temp_files())
+        found = list(self._list_records())
+        self.index.merge_scanned(found)
+        self.scan_seconds = time.monotonic() - started
+        self._last_rescan = time.monotonic()
         self.scan_complete.set()
-        return found
+        self.try_lead()  # a daemon alone on its directory evicts from the first write on
+        return len(found)
 
-    def _record_paths(self):
+    def _list_records(self) -> Iterator[tuple[str, int, int]]:
+        """``(name, size, mtime_ns)`` of every record file; counts progress as it goes."""
+        with self._counter_lock:
+            self.counters["scan_records"] = 0
         for first in _listdir(self.dir):
             if len(first) != 2:
                 continue
             level1 = os.path.join(self.dir, first)
             for second in _listdir(level1):
-                level2 = os.path.join(level1, second)
-                for entry in _listdir(level2):
-                    if entry.endswith(RECORD_SUFFIX):
-                        yield os.path.join(level2, entry)
+                try:
+                    entries = list(os.scandir(os.path.join(level1, second)))
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                for entry in entries:
+                    if not entry.name.endswith(RECORD_SUFFIX):
+                        continue
+                    try:
+                        st = entry.stat()
+                    except OSError:
+                        continue  # removed meanwhile
+                    self._count("scan_records", 1)
+                    yield entry.name[: -len(RECORD_SUFFIX)], st.st_size, st.st_mtime_ns
+
+    def _record_paths(self) -> Iterator[str]:
+        for name, _, _ in self._list_records():
+            yield self._path(name)
 
     def _reclaim_temp_files(self) -> int:
-        """A temp file is garbage once its writer is gone: same host and a dead pid. Temp
+        """A temp file is garbage once its writer is gone: same host and a dead pid (or our
+        pid under another instance token: a restart), or older than any write takes. Temp
         files of live writers (other daemons sharing the directory) are left alone."""
         host, me, instance = socket.gethostname(), os.getpid(), self.backend.instance
         reclaimed = 0
+        now = time.time()
         for entry in _listdir(self.tmp_dir):
+            if not entry.endswith(TMP_SUFFIX):
+                continue
+            path = os.path.join(self.tmp_dir, entry)
             parts = entry.split(".")
             # <name>.<host...>.<pid>.<instance>.<rand>.tmp; host names may contain dots.
-            if len(parts) < 6 or not entry.endswith(TMP_SUFFIX) or not parts[-4].isdigit():
+            dead = False
+            if len(parts) >= 6 and parts[-4].isdigit():
+                writer_host, pid, writer_instance = ".".join(parts[1:-4]), int(parts[-4]), parts[-3]
+                if writer_host == host:
+                    dead = not _pid_alive(pid) if pid != me else writer_instance != instance
+            try:
+                dead = dead or now - os.stat(path).st_mtime > STALE_TEMP_S
+                if dead:
+                    reclaimed += self.disk.remove(path)
+            except OSError:
                 continue
-            writer_host, pid, writer_instance = ".".join(parts[1:-4]), int(parts[-4]), parts[-3]
-            dead = not _pid_alive(pid) if pid != me else writer_instance != instance
-            if writer_host == host and dead:
-                reclaimed += self.disk.remove(os.path.join(self.tmp_dir, entry))
         return reclaimed
 
-    # -- index --------------------------------------------------------------------------------
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._counter_lock:
+            self.counters[name] += n
 
-    def _remember(self, name: str, size: int) -> None:
-        with self._lock:
-            old = self._index.get(name)
-            self._index[name] = size
-            self._bytes += size - (old or 0)
-
-    def _forget(self, name: str) -> None:
-        with self._lock:
-            old = self._index.pop(name, None)
-            if old is not None:
-                self._bytes -= old
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.usage())
+        out.update({"leader": self.is_leader, "scan_complete": self.scan_complete.is_set(),
+                    "scan_seconds": round(self.scan_seconds, 3), "stuck": self.index.stuck,
+                    "max_bytes": self.capacity.max_bytes, "min_free_bytes": self.capacity.min_free_bytes,
+                    "direct_io": self.disk.direct})
+        out.update(self.counters)
+        return out
 
 
-def make_private_dirs(path: str) -> None:
-    """``os.makedirs`` applies its mode to the leaf only; every level we create is 0700."""
-    if os.path.isdir(path):
-        return
-    parent = os.path.dirname(path)
-    if parent and parent != path:
-        make_private_dirs(parent)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
+def _aligned(nbytes: int) -> memoryview:
+    raw = np.zeros(nbytes + 4096, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 4096
+    return memoryview(raw[start : start + nbytes])
 
 
 def _listdir(path: str) -> list[str]:

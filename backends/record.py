@@ -32,10 +32,13 @@ from typing import Final
 import xxhash
 
 from kvswap.protocol.errors import Corrupt
+from kvswap.protocol.layout import RECORD_FORMAT
 from kvswap.protocol.limits import MAX_KEY_LENGTH
 
 MAGIC: Final = b"KVSR"
-FORMAT_VERSION: Final = 1
+#: One constant for the format: it is in every header and in every namespace fingerprint, so a
+#: new format is a new namespace and old records are never misread.
+FORMAT_VERSION: Final = RECORD_FORMAT
 CHECKSUM_XXH3_64: Final = 1
 
 _FIXED = struct.Struct("<4sHHI16sQQQH6x128s")

@@ -1,0 +1,168 @@
+"""The file-system seam: every system call that touches record files goes through ``Disk``.
+
+Tests inject faults by patching one of its methods (ENOSPC on write, EIO on read, a slow
+disk). Nothing above this class calls ``os`` on record files.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from typing import Final, Sequence
+
+import numpy as np
+
+FSYNC_MODES: Final = ("none", "data", "strict")
+DIRECT_IO_MODES: Final = ("auto", "on", "off")
+#: O_DIRECT needs buffer addresses, lengths and file offsets aligned to the device's logical
+#: block; 4 KiB is right for every device we meet (512 B devices accept it too).
+DIRECT_ALIGN: Final = 4096
+_O_DIRECT: Final = getattr(os, "O_DIRECT", 0)
+
+
+def _address(part: memoryview | bytes | bytearray) -> int:
+    return np.frombuffer(part, dtype=np.uint8).ctypes.data if len(part) else 0
+
+
+def direct_compatible(parts: Sequence[memoryview | bytes | bytearray]) -> bool:
+    return all(len(p) % DIRECT_ALIGN == 0 and _address(p) % DIRECT_ALIGN == 0 for p in parts)
+
+
+def _rest_after(parts: Sequence[memoryview | bytes | bytearray], n: int) -> list[memoryview]:
+    """The parts left after the first ``n`` bytes were transferred."""
+    rest = []
+    for part in parts:
+        view = memoryview(part).cast("B")
+        if n >= len(view):
+            n -= len(view)
+            continue
+        rest.append(view[n:])
+        n = 0
+    return rest
+
+
+class Disk:
+    def __init__(self, fsync: str = "none", direct: bool = False) -> None:
+        if fsync not in FSYNC_MODES:
+            raise ValueError(f"fsync must be one of {FSYNC_MODES}")
+        self.fsync = fsync
+        #: Use O_DIRECT for records whose buffers allow it (the store decides per record).
+        self.direct = direct and bool(_O_DIRECT)
+
+    # -- records ----------------------------------------------------------------------------------
+
+    def write_file(self, tmp: str, final: str, parts: list[memoryview | bytes]) -> int:
+        """Write ``parts`` to ``tmp`` (created exclusively, 0600), then rename it onto ``final``.
+        Returns bytes written. On any failure the temp file is gone."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        if self.direct and direct_compatible(parts):
+            flags |= _O_DIRECT
+        fd = os.open(tmp, flags, 0o600)
+        try:
+            total = sum(len(p) for p in parts)
+            written = os.writev(fd, parts)
+            while written < total:  # short writes happen on signals and some file systems
+                step = os.writev(fd, _rest_after(parts, written))
+                if step <= 0:
+                    raise OSError(errno.EIO, "write made no progress")
+                written += step
+            if self.fsync != "none":
+                os.fdatasync(fd)
+        except BaseException:
+            os.close(fd)
+            self.remove(tmp)
+            raise
+        os.close(fd)
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            self.remove(tmp)
+            raise
+        if self.fsync == "strict":
+            self.sync_dir(os.path.dirname(final))
+        return total
+
+    def read_file(self, path: str, parts: list[memoryview | bytearray]) -> tuple[int, int]:
+        """Read into ``parts`` from offset 0. Returns (bytes read, file size); fewer bytes than
+        asked only at end of file."""
+        flags = os.O_RDONLY | os.O_CLOEXEC
+        if self.direct and direct_compatible(parts):
+            flags |= _O_DIRECT
+        fd = os.open(path, flags)
+        try:
+            size = os.fstat(fd).st_size
+            want = sum(len(p) for p in parts)
+            done = os.preadv(fd, parts, 0)
+            while 0 < done < want and done < size:  # a short read is not the end of the file
+                step = os.preadv(fd, _rest_after(parts, done), done)
+                if step <= 0:
+                    break
+                done += step
+            return done, size
+        finally:
+            os.close(fd)
+
+    def touch(self, path: str) -> None:
+        """Mark a record as used now (its mtime), so recency survives a restart."""
+        os.utime(path)
+
+    def remove(self, path: str) -> bool:
+        try:
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def make_dirs(self, path: str) -> None:
+        make_private_dirs(path)
+
+    def sync_dir(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def free_bytes(self, path: str) -> int:
+        st = os.statvfs(path)
+        return st.f_bavail * st.f_frsize
+
+    # -- probing ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def probe_direct(directory: str) -> bool:
+        """Whether O_DIRECT writes and reads work in ``directory`` (tmpfs and some network file
+        systems refuse them)."""
+        if not _O_DIRECT:
+            return False
+        path = os.path.join(directory, f".direct-probe.{os.getpid()}.{secrets.token_hex(4)}")
+        buf = np.zeros(2 * DIRECT_ALIGN, dtype=np.uint8)
+        block = buf[(-buf.ctypes.data) % DIRECT_ALIGN:][:DIRECT_ALIGN]
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o600)
+        except OSError:
+            return False
+        try:
+            return os.pwritev(fd, [block], 0) == DIRECT_ALIGN and os.preadv(fd, [block], 0) == DIRECT_ALIGN
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+            os.unlink(path)
+
+
+def make_private_dirs(path: str) -> None:
+    """``os.makedirs`` applies its mode to the leaf only; every level we create is 0700."""
+    if os.path.isdir(path):
+        return
+    parent = os.path.dirname(path)
+    if parent and parent != path:
+        make_private_dirs(parent)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass

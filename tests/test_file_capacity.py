@@ -1,0 +1,240 @@
+"""Capacity, eviction, recency and leadership of the file tier, as pure units over a real
+directory (faults through the Disk seam)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import pytest
+
+from kvswap.backends.base import GetStatus
+from kvswap.backends.file_index import RecordIndex
+from kvswap.backends.file_store import Capacity, FileBackend, FileStore, record_name
+from kvswap.protocol.errors import NoSpace
+
+NAMESPACE = "ab" * 16
+RECORD = 1000
+FILE = 256 + RECORD  # small records carry a 256-byte header
+
+
+def payload(i: int) -> memoryview:
+    return memoryview(bytes([i % 256]) * RECORD)
+
+
+def open_store(root, records_cap: int = 0, **kw) -> FileStore:
+    backend = FileBackend(str(root), capacity=Capacity(max_bytes=records_cap * FILE, **kw))
+    store = backend.open_store(NAMESPACE, {"t": 1}, RECORD)
+    store.scan()
+    return store
+
+
+def files_on_disk(store: FileStore) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(store.dir):
+        total += sum(os.path.getsize(os.path.join(dirpath, n)) for n in names
+                     if n.endswith((".kvr", ".tmp")))
+    return total
+
+
+def test_index_orders_by_recency_and_skips_pins() -> None:
+    index = RecordIndex()
+    for name in "abcd":
+        index.add(name, 10)
+    index.touch("a")  # b is now the oldest
+    index.pin("b")
+    assert index.take_victim() == ("c", 10)
+    assert index.take_victim() == ("d", 10)
+    assert index.take_victim() == ("a", 10)
+    assert index.take_victim() is None  # only the pinned one is left
+    index.unpin("b")
+    assert index.take_victim() == ("b", 10)
+    assert index.bytes == 0 and len(index) == 0
+
+
+def test_index_merge_puts_scanned_records_before_used_ones() -> None:
+    index = RecordIndex()
+    index.add("fresh", 5)
+    added = index.merge_scanned([("old", 1, 100), ("older", 2, 50), ("fresh", 5, 10)])
+    assert added == 2
+    assert [index.take_victim()[0] for _ in range(3)] == ["older", "old", "fresh"]
+
+
+def test_the_cap_is_never_exceeded_and_recent_records_stay(tmp_path) -> None:
+    store = open_store(tmp_path, records_cap=10)
+    assert store.try_lead()
+    for i in range(30):
+        store.put(f"k{i}", payload(i))
+        assert files_on_disk(store) <= 10 * FILE
+        assert store.index.bytes <= 10 * FILE
+    # The most recent records survive; the first ones went.
+    assert store.contains("k29") and store.contains("k28")
+    assert not store.contains("k0")
+    assert store.counters["evicted_capacity"] >= 20
+
+
+def test_reads_refresh_recency(tmp_path) -> None:
+    store = open_store(tmp_path, records_cap=4)
+    store.try_lead()
+    for i in range(4):
+        store.put(f"k{i}", payload(i))
+    out = memoryview(bytearray(RECORD))
+    assert store.get_into("k0", out) is GetStatus.LOADED  # k0 becomes the most recent
+    store.put("k4", payload(4))  # over the cap: evicts down to the low watermark
+    assert store.contains("k0")
+    assert not store.contains("k1")
+
+
+def test_recency_survives_a_restart(tmp_path) -> None:
+    store = open_store(tmp_path)
+    for i in range(6):
+        store.put(f"k{i}", payload(i))
+        name, path = store.path_of(f"k{i}")
+        os.utime(path, ns=(1_000_000_000 * (i + 1), 1_000_000_000 * (i + 1)))
+    os.utime(store.path_of("k0")[1], ns=(10**11, 10**11))  # k0 was read last
+    store.close()
+
+    again = open_store(tmp_path, records_cap=6)
+    assert again.try_lead()
+    again.evict(3 * FILE, "capacity")
+    assert [again.contains(f"k{i}") for i in range(6)] == [True, False, False, False, True, True]
+
+
+def test_pinned_records_are_not_evicted(tmp_path) -> None:
+    store = open_store(tmp_path)
+    for i in range(3):
+        store.put(f"k{i}", payload(i))
+    store.index.pin(record_name("k0"))
+    assert store.evict(10 * FILE, "capacity") == 2 * FILE
+    assert store.contains("k0")
+
+
+def test_a_file_that_cannot_be_deleted_is_set_aside_and_counted(tmp_path, monkeypatch) -> None:
+    store = open_store(tmp_path)
+    for i in range(4):
+        store.put(f"k{i}", payload(i))
+    stubborn = store.path_of("k0")[1]
+    real_remove = store.disk.remove
+
+    def remove(path):
+        if path == stubborn:
+            raise OSError(errno.EPERM, "Operation not permitted")
+        return real_remove(path)
+
+    monkeypatch.setattr(store.disk, "remove", remove)
+    freed = store.evict(4 * FILE, "capacity")
+    assert freed == 3 * FILE
+    assert store.counters["eviction_failures"] == 1
+    assert store.index.stuck == 1
+    # It is never offered again, so eviction cannot wedge on it.
+    assert store.evict(FILE, "capacity") == 0
+    assert store.counters["eviction_failures"] == 1
+    assert store.usage()["bytes"] == FILE  # still on disk, still counted
+
+
+def test_full_cap_with_everything_pinned_is_no_space(tmp_path) -> None:
+    store = open_store(tmp_path, records_cap=2)
+    store.try_lead()
+    store.put("a", payload(1))
+    store.put("b", payload(2))
+    store.index.pin(record_name("a"))
+    store.index.pin(record_name("b"))
+    with pytest.raises(NoSpace):
+        store.put("c", payload(3))
+    assert store.contains("a") and store.contains("b")
+
+
+def test_enospc_evicts_and_retries_once(tmp_path, monkeypatch) -> None:
+    store = open_store(tmp_path)
+    store.try_lead()
+    for i in range(8):
+        store.put(f"k{i}", payload(i))
+    real_write = store.disk.write_file
+    calls = {"n": 0}
+
+    def full_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(store.disk, "write_file", full_once)
+    store.put("new", payload(9))
+    assert calls["n"] == 2
+    assert store.counters["enospc_retries"] == 1
+    assert store.counters["evicted_enospc"] >= 1
+    assert store.contains("new")
+
+    monkeypatch.setattr(store.disk, "write_file", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    with pytest.raises(NoSpace):
+        store.put("never", payload(10))
+
+
+def test_one_leader_per_namespace_and_takeover(tmp_path) -> None:
+    first = open_store(tmp_path)
+    second = open_store(tmp_path)
+    assert first.try_lead()
+    assert not second.try_lead()
+    second.maintain()
+    assert not second.is_leader
+    first.close()  # the leader goes: its flock goes with its file descriptor
+    second.maintain()
+    assert second.is_leader
+
+
+def test_background_eviction_keeps_under_the_high_watermark(tmp_path) -> None:
+    store = open_store(tmp_path, records_cap=100)
+    for i in range(99):  # writes as a follower: no eviction at write time
+        store.put(f"k{i}", payload(i))
+    assert store.index.bytes > 0.95 * 100 * FILE
+    store.maintain()  # becomes leader, evicts down to the low watermark
+    assert store.is_leader
+    assert store.index.bytes <= 0.85 * 100 * FILE
+    assert store.counters["evicted_capacity"] >= 14
+
+
+def test_min_free_space_floor(tmp_path, monkeypatch) -> None:
+    store = open_store(tmp_path, min_free_bytes=10**6)
+    for i in range(20):
+        store.put(f"k{i}", payload(i))
+    monkeypatch.setattr(store.disk, "free_bytes", lambda path: 10**6 - 5 * FILE)
+    store.maintain()
+    assert store.counters["evicted_min_free"] >= 5
+
+
+def test_rescan_sees_records_other_writers_added_and_removed(tmp_path) -> None:
+    leader = FileBackend(str(tmp_path), rescan_interval_s=1).open_store(NAMESPACE, {}, RECORD)
+    leader.scan()
+    other = open_store(tmp_path)
+    other.put("theirs", payload(1))
+    leader.put("mine", payload(2))
+    os.unlink(leader.path_of("mine")[1])  # someone else deleted it
+    leader.maintain(now=10**6)
+    assert leader.usage() == {"records": 1, "bytes": FILE}
+    assert record_name("theirs") in leader.index
+
+
+def test_concurrent_writers_never_pass_the_cap(tmp_path) -> None:
+    store = open_store(tmp_path, records_cap=8)
+    store.try_lead()
+    errors: list[BaseException] = []
+    peak = {"bytes": 0}
+
+    def writer(w: int) -> None:
+        try:
+            for i in range(40):
+                store.put(f"w{w}-{i}", payload(i))
+                peak["bytes"] = max(peak["bytes"], store.index.bytes)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert peak["bytes"] <= 8 * FILE
+    assert files_on_disk(store) <= 8 * FILE
+    assert store.index.bytes == files_on_disk(store)
