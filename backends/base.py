@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import Any, Iterable, Sequence
+from typing import Any, Container, Iterable, Sequence
 
 
 class GetStatus(str, enum.Enum):
@@ -69,6 +69,11 @@ class Store(abc.ABC):
             if not self.contains(key):
                 return i
         return len(keys)
+
+    def cached_prefix(self, keys: Sequence[str], also_present: Container[str] = ()) -> int:
+        """How many leading keys are known stored from memory alone, without I/O; callers go
+        to :meth:`contains` for the rest. Keys in ``also_present`` count as stored."""
+        return 0
 
     def delete_many(self, keys: Iterable[str]) -> int:
         return sum(1 for key in keys if self.delete(key))

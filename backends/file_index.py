@@ -48,6 +48,21 @@ class RecordIndex:
                 return True
             return name in self._stuck
 
+    def touch_prefix(self, names: Iterable[str | None]) -> int:
+        """Touch leading names while they are indexed (None counts as present, untouched);
+        return how many. One lock for the whole run."""
+        count = 0
+        with self._lock:
+            for name in names:
+                if name is None or name in self._stuck:
+                    count += 1
+                elif name in self._entries:
+                    self._entries.move_to_end(name)
+                    count += 1
+                else:
+                    break
+        return count
+
     def merge_scanned(self, found: Iterable[tuple[str, int, int]]) -> int:
         """Merge ``(name, size, last_used_ns)`` found on disk. Records already known keep their
         place (they were used since the scan began); the others go before them, oldest first.

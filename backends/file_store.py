@@ -41,7 +41,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Final, Iterator
+from typing import Any, Container, Final, Iterator, Sequence
 
 import numpy as np
 import xxhash
@@ -214,7 +214,7 @@ class FileStore(Store):
                 if exc.errno in _SPACE_ERRNOS and attempt == 1 and self.is_leader:
                     # The disk filled under us (other tenants, or no cap set): make room, retry once.
                     self._count("enospc_retries", 1)
-                    if self.evict(max(4 * self.file_bytes, self.index.bytes // 100), "enospc"):
+                    if self.evict(2 * self.file_bytes, "enospc"):
                         continue
                 raise _io_error(exc, "write a record", path) from None
         raise AssertionError("unreachable")
@@ -279,6 +279,9 @@ class FileStore(Store):
             self.index.add(name, self.file_bytes)
             return True
         return False
+
+    def cached_prefix(self, keys: Sequence[str], also_present: Container[str] = ()) -> int:
+        return self.index.touch_prefix(None if k in also_present else record_name(k) for k in keys)
 
     def delete(self, key: str) -> bool:
         name, path = self.path_of(key)

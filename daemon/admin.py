@@ -31,5 +31,25 @@ def demo(storage_dir: str, preset: str, blocks: int, linger: float) -> None:
     sys.exit(0 if ok else 1)
 
 
+from .keygen import keygen  # noqa: E402  (CURVE keys; its own module)
+
+main.add_command(keygen)
+
+from .launcher import launch  # noqa: E402  (one kvswapd per GPU beside a server)
+from .status import status  # noqa: E402  (a running daemon at a glance)
+
+main.add_command(launch)
+main.add_command(status)
+
+from .store_commands import gc, inspect, verify  # noqa: E402  (offline storage tools)
+from .bench_command import bench  # noqa: E402  (throughput and latency against baselines)
+
+main.add_command(bench)
+
+main.add_command(inspect)
+main.add_command(verify)
+main.add_command(gc)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

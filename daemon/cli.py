@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 import re
 import sys
 
@@ -12,6 +11,8 @@ import click
 from kvswap import __version__
 
 from .config import Config, default_storage_dir
+from .config_file import load_config_option, print_config
+from .logs import LOG_FORMATS, configure_logging
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
@@ -36,14 +37,17 @@ BYTES = ByteSize()
 _DEFAULTS = Config(storage_dir="")
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def setup_logging(level: str, fmt: str = "text") -> None:
+    configure_logging(level, fmt)
 
 
 @click.command(context_settings={"auto_envvar_prefix": "KVSWAP", "show_default": True,
                                  "help_option_names": ["-h", "--help"]})
 @click.option("--host", default=_DEFAULTS.host, help="Address to bind the control socket and metrics endpoint to.")
+@click.option("--curve-secret-key-file", default=_DEFAULTS.curve_secret_key_file,
+              help="CURVE on the control socket: the daemon's secret key file (kvswap keygen). Needs --authorized-keys.")
+@click.option("--authorized-keys", default=_DEFAULTS.authorized_keys,
+              help="CURVE: directory of the public key files (*.key) of the clients allowed to connect.")
 @click.option("--cache-queue-port", type=click.IntRange(0, 65535), default=_DEFAULTS.cache_queue_port,
               help="The engine's cache-queue port: the ZMQ socket engines send commands to (0 = any free port).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=_DEFAULTS.metrics_port,
@@ -52,6 +56,16 @@ def setup_logging(level: str) -> None:
               help="Root directory of the file tier. [default: $FILE_BACKEND_STORAGE_DIR, else ./kvswap-store]")
 @click.option("--fsync", type=click.Choice(["none", "data", "strict"]), default=_DEFAULTS.fsync,
               help="none: rely on checksums; data: fdatasync each record; strict: also fsync its directory.")
+@click.option("--storage-max-bytes", type=BYTES, default=_DEFAULTS.storage_max_bytes,
+              help="Cap on the file tier's bytes per namespace; least recently used records are evicted (0 = none).")
+@click.option("--storage-min-free-bytes", type=BYTES, default=_DEFAULTS.storage_min_free_bytes,
+              help="Evict to keep at least this much free space on the storage file system (0 = none).")
+@click.option("--direct-io", type=click.Choice(["auto", "on", "off"]), default=_DEFAULTS.direct_io,
+              help="O_DIRECT for record files: auto uses it where the file system supports it.")
+@click.option("--storage-rescan-interval-s", type=click.FloatRange(0), default=_DEFAULTS.storage_rescan_interval_s,
+              help="How often the evicting daemon re-lists a shared directory (0 = only at start-up).")
+@click.option("--maintenance-interval-s", type=click.FloatRange(0.01), default=_DEFAULTS.maintenance_interval_s,
+              help="How often background eviction checks the watermarks.")
 @click.option("--write-threads", type=click.IntRange(1, 256), default=_DEFAULTS.write_threads,
               help="Threads writing records.")
 @click.option("--read-threads", type=click.IntRange(1, 256), default=_DEFAULTS.read_threads,
@@ -66,9 +80,17 @@ def setup_logging(level: str) -> None:
               help="On SIGTERM, how long in-flight requests and writes may take to finish.")
 @click.option("--max-inflight-requests", type=click.IntRange(1), default=_DEFAULTS.max_inflight_requests,
               help="Requests handled at once; beyond this the daemon answers busy.")
+@click.option("--max-inflight-per-client", type=click.IntRange(1), default=_DEFAULTS.max_inflight_per_client,
+              help="Requests one client connection may have in flight; beyond this it is answered busy.")
 @click.option("--engine-check-interval-s", type=click.FloatRange(0.05), default=_DEFAULTS.engine_check_interval_s,
               help="How often to check that the registered engine process is alive.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=_DEFAULTS.log_level)
+@click.option("--log-format", type=click.Choice(LOG_FORMATS), default=_DEFAULTS.log_format,
+              help="text: human-readable lines; json: one object per line (ts, level, logger, msg).")
+@click.option("--config", type=click.Path(dir_okay=False), default=None, is_eager=True, callback=load_config_option,
+              help="TOML file of settings named like the flags; flags and KVSWAP_* variables override it.")
+@click.option("--print-config", is_flag=True, default=False,
+              help="Print the effective configuration and where each value came from, then exit.")
 @click.version_option(__version__, prog_name="kvswapd")
 def main(**options: object) -> None:
     """kvswapd: swaps an inference engine's paged KV-cache blocks to storage and back.
@@ -78,13 +100,18 @@ def main(**options: object) -> None:
     """
     from .server import run  # imported late so --help stays fast
 
+    options.pop("config", None)  # already applied: its values are click's default_map
+    show_config = options.pop("print_config", False)
     options["storage_dir"] = options["storage_dir"] or default_storage_dir()
     config = Config(**options)  # type: ignore[arg-type]
-    setup_logging(config.log_level)
+    setup_logging(config.log_level, config.log_format)
     try:
         config.validate()
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    if show_config:
+        print_config(click.get_current_context(), config.as_dict())
+        sys.exit(0)
     sys.exit(run(config))
 
 

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvswap.backends.file_store import FSYNC_MODES
+from kvswap.backends.file_store import DIRECT_IO_MODES, FSYNC_MODES
 
 MiB = 1024 * 1024
 
@@ -25,6 +25,11 @@ def default_storage_dir() -> str:
 class Config:
     #: Address the control socket and the metrics endpoint bind to.
     host: str = "127.0.0.1"
+    #: CURVE on the control socket: the daemon's secret key file (``kvswap keygen``). Set
+    #: together with ``authorized_keys``; then only clients whose public key is listed connect.
+    curve_secret_key_file: str = ""
+    #: CURVE: directory of the public key files (``*.key``) of the clients allowed to connect.
+    authorized_keys: str = ""
     #: The engine's cache-queue port: the ZMQ ROUTER socket engines send commands to.
     cache_queue_port: int = 55500
     #: HTTP port for /metrics, /healthz and /readyz.
@@ -33,6 +38,18 @@ class Config:
     #: none: rely on checksums (a record lost to power failure is a miss); data: fdatasync
     #: every record; strict: also fsync its directory.
     fsync: str = "none"
+    #: Cap on the bytes the file tier holds in this namespace (0: no cap). Least recently used
+    #: records are evicted to stay under it.
+    storage_max_bytes: int = 0
+    #: Keep at least this much free space on the storage file system (0: no floor).
+    storage_min_free_bytes: int = 0
+    #: auto: use O_DIRECT for records when the file system supports it; on: require it; off.
+    direct_io: str = "off"
+    #: How often the evicting daemon re-lists the directory to count records other daemons
+    #: wrote (0: only at start-up). Set it when several daemons share the directory.
+    storage_rescan_interval_s: float = 0.0
+    #: How often background eviction checks the watermarks.
+    maintenance_interval_s: float = 1.0
     #: Threads writing records. Writes of separate files overlap well on SSDs and network
     #: file systems (four threads measured 4.5x one thread here with fsync on).
     write_threads: int = 4
@@ -49,9 +66,14 @@ class Config:
     drain_timeout_s: float = 30.0
     #: Requests being handled at once; beyond this the daemon answers busy.
     max_inflight_requests: int = 1024
+    #: Requests one client connection may have in flight; beyond this it is answered busy, so
+    #: one engine cannot take every slot of ``max_inflight_requests``.
+    max_inflight_per_client: int = 256
     #: How often to check that the registered engine process still lives.
     engine_check_interval_s: float = 1.0
     log_level: str = "info"
+    #: text: human-readable lines; json: one object per line (ts, level, logger, msg) for collectors.
+    log_format: str = "text"
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first setting that cannot work."""
@@ -61,14 +83,29 @@ class Config:
                 raise ValueError(f"{name} must be in 0..65535, got {port}")
         if self.fsync not in FSYNC_MODES:
             raise ValueError(f"fsync must be one of {', '.join(FSYNC_MODES)}, got {self.fsync!r}")
-        for name in ("write_threads", "read_threads", "max_inflight_requests"):
+        for name in ("write_threads", "read_threads", "max_inflight_requests", "max_inflight_per_client"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         for name in ("write_staging_bytes", "read_staging_bytes"):
             if getattr(self, name) < 4096:
                 raise ValueError(f"{name} must be at least 4096")
+        if self.direct_io not in DIRECT_IO_MODES:
+            raise ValueError(f"direct_io must be one of {', '.join(DIRECT_IO_MODES)}, got {self.direct_io!r}")
+        if self.storage_max_bytes < 0 or self.storage_min_free_bytes < 0:
+            raise ValueError("storage limits must be >= 0")
+        if self.maintenance_interval_s <= 0:
+            raise ValueError("maintenance_interval_s must be positive")
         if self.default_timeout_ms < 1:
             raise ValueError("default_timeout_ms must be positive")
+        if bool(self.curve_secret_key_file) != bool(self.authorized_keys):
+            raise ValueError("curve_secret_key_file and authorized_keys go together: CURVE needs the daemon's "
+                             "secret key and the directory of authorized client keys")
+        if self.log_format not in ("text", "json"):
+            raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
+
+    @property
+    def curve(self) -> bool:
+        return bool(self.curve_secret_key_file)
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -47,13 +47,67 @@ class Metrics:
                                   "namespace.", ["tier"], registry=r)
         self.staging_slots = Gauge("kvswap_staging_slots", "Staging slots, by pool and state.", ["pool", "state"],
                                    registry=r)
-        self.scan_complete = Gauge("kvswap_index_scan_complete", "1 once the start-up scan of the store has indexed "
-                                   "every record.", ["tier"], registry=r)
         info = Gauge("kvswap_build_info", "Always 1; labels say which build runs.", ["version"], registry=r)
         info.labels(version=__version__).set(1)
 
+    def watch_stores(self, stores: Callable[[], list]) -> None:
+        """Export the storage tiers' own counters (eviction, scan, capacity) at scrape time."""
+        self.registry.register(StoreCollector(stores))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class StoreCollector:
+    """Reads each store's ``stats()`` when Prometheus scrapes, so the stores keep plain
+    counters and need not know about Prometheus."""
+
+    #: stats key -> (metric name, help, kind). Counters get ``_total`` from the client library.
+    GAUGES = {
+        "max_bytes": ("kvswap_store_capacity_bytes", "Configured cap on the tier's bytes (0: none)."),
+        "free_bytes": ("kvswap_store_free_bytes", "Free bytes on the tier's file system."),
+        "leader": ("kvswap_eviction_leader", "1 while this daemon is the one evicting for the namespace."),
+        "scan_complete": ("kvswap_index_scan_complete", "1 once the start-up scan has indexed every record."),
+        "scan_records": ("kvswap_index_scan_records", "Records the latest directory scan has counted so far."),
+        "scan_seconds": ("kvswap_index_scan_seconds", "Duration of the start-up scan."),
+        "stuck": ("kvswap_stuck_records", "Records that could not be deleted and are no longer offered for eviction."),
+    }
+    COUNTERS = {
+        "eviction_failures": ("kvswap_eviction_failures", "Records eviction could not delete."),
+        "temp_reclaimed": ("kvswap_temp_files_reclaimed", "Temp files of dead writers removed at start-up."),
+        "enospc_retries": ("kvswap_enospc_retries", "Writes that hit a full disk, evicted and retried."),
+    }
+    EVICTION_REASONS = ("capacity", "min_free", "enospc")
+
+    def __init__(self, stores: Callable[[], list]) -> None:
+        self.stores = stores
+
+    def describe(self):
+        return []  # collected lazily; the registry must not call collect() at registration
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        gauges = {k: GaugeMetricFamily(name, doc, labels=["tier"]) for k, (name, doc) in self.GAUGES.items()}
+        counters = {k: CounterMetricFamily(name, doc, labels=["tier"]) for k, (name, doc) in self.COUNTERS.items()}
+        evictions = CounterMetricFamily("kvswap_evictions", "Records evicted, by reason.", labels=["tier", "reason"])
+        for store in self.stores():
+            stats_of = getattr(store, "stats", None)
+            if stats_of is None:
+                continue
+            stats = stats_of()
+            if "free_bytes" not in stats and hasattr(store, "free_bytes"):
+                stats["free_bytes"] = store.free_bytes() or 0
+            for key, family in gauges.items():
+                if key in stats:
+                    family.add_metric([store.tier], float(stats[key]))
+            for key, family in counters.items():
+                family.add_metric([store.tier], float(stats.get(key, 0)))
+            for reason in self.EVICTION_REASONS:
+                evictions.add_metric([store.tier, reason], float(stats.get(f"evicted_{reason}", 0)))
+        yield from gauges.values()
+        yield from counters.values()
+        yield evictions
 
 
 class HealthServer:

@@ -19,7 +19,12 @@ from kvswap.protocol.layout import CacheLayout
 from kvswap.protocol.shm import SharedSegment
 
 from .copy_plan import Placement
+from .gpu_plan import check_fits
 from .host_mover import HostMover
+
+#: Memory handle kinds a registration may use: POSIX shared memory (CPU engines, tests, the
+#: demo) and CUDA IPC (an engine's GPU cache; see docs/gpu.md).
+HANDLE_KINDS = ("shm", "cuda_ipc")
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +38,13 @@ def _int_field(entry: dict[str, Any], name: str, where: str, minimum: int = 0) -
 
 class Registration:
     def __init__(self, layout: CacheLayout, placements: list[Placement], segments: list[SharedSegment],
-                 mover: HostMover, pid: int) -> None:
+                 mover: Any, pid: int) -> None:
         self.layout = layout
         self.namespace = layout.fingerprint()
         self.placements = placements
         self.segments = segments
+        #: A HostMover (shm handles) or a GPU DeviceMover (cuda_ipc handles): the same
+        #: record-level interface either way.
         self.mover = mover
         self.pid = pid
 
@@ -47,28 +54,37 @@ class Registration:
 
     @classmethod
     def attach(cls, layout_wire: dict[str, Any], handles: Sequence[dict[str, Any]],
-               regions: Sequence[dict[str, Any]], pid: int) -> "Registration":
+               regions: Sequence[dict[str, Any]], pid: int, gpu_backend: str | None = None) -> "Registration":
         layout = CacheLayout.from_wire(layout_wire)
         placements = cls._placements(layout, handles, regions)
+        kinds = [h.get("kind") for h in handles]
+        for i, kind in enumerate(kinds):
+            if kind not in HANDLE_KINDS:
+                raise InvalidLayout(f"handles[{i}].kind {str(kind)[:32]!r} is not supported by this daemon; use one of "
+                                    f"{', '.join(HANDLE_KINDS)}", field=f"handles[{i}].kind")
+        if len(set(kinds)) > 1:
+            raise InvalidLayout("all handles of a registration must be of one kind", kinds=sorted(set(kinds)))
+        if kinds[0] == "cuda_ipc":
+            # Imported here: a daemon serving shared memory never loads the GPU modules.
+            from .gpu_movers import attach_cuda_ipc
+
+            mover = attach_cuda_ipc(layout, placements, handles, gpu_backend)
+            return cls(layout, placements, [], mover, pid)
+        return cls._attach_shm(layout, placements, handles, pid)
+
+    @classmethod
+    def _attach_shm(cls, layout: CacheLayout, placements: list[Placement], handles: Sequence[dict[str, Any]],
+                    pid: int) -> "Registration":
         segments: list[SharedSegment] = []
         try:
             for i, handle in enumerate(handles):
-                kind = handle.get("kind")
-                if kind != "shm":
-                    raise InvalidLayout(f"handles[{i}].kind {kind!r} is not supported by this daemon; use 'shm'",
-                                        field=f"handles[{i}].kind")
                 declared = _int_field(handle, "size", f"handles[{i}]", 1)
                 segment = SharedSegment.attach(handle.get("name"))  # type: ignore[arg-type]
                 segments.append(segment)
                 if segment.size < declared:
                     raise InvalidLayout(f"handles[{i}] is {segment.size} bytes, smaller than the declared {declared}",
                                         field=f"handles[{i}].size")
-            for p in placements:
-                need = p.end(layout.num_blocks)
-                have = segments[p.handle].size
-                if need > have:
-                    raise InvalidLayout(f"region {p.name} needs {need} bytes of handle {p.handle}, which has {have}",
-                                        region=p.name, need=need, have=have)
+            check_fits(placements, [seg.size for seg in segments], layout.num_blocks)
             buffers = [np.frombuffer(s.buffer, dtype=np.uint8) for s in segments]
         except BaseException:
             for s in segments:
@@ -133,5 +149,13 @@ class Registration:
             "record_bytes": self.record_bytes,
             "regions": len(self.placements),
             "pid": self.pid,
-            "handles": [{"kind": "shm", "name": s.name, "size": s.size} for s in self.segments],
+            **self._describe_memory(),
         }
+
+    def _describe_memory(self) -> dict[str, Any]:
+        describe = getattr(self.mover, "describe", None)
+        if describe is None:  # the host mover over shared memory
+            return {"handles": [{"kind": "shm", "name": s.name, "size": s.size} for s in self.segments],
+                    "mover": {"mover": "host"}}
+        mover = dict(describe())
+        return {"handles": mover.pop("handles", []), "mover": mover}

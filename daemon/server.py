@@ -14,6 +14,7 @@ import ipaddress
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any, Awaitable, Callable
@@ -22,12 +23,14 @@ import zmq
 import zmq.asyncio
 
 from kvswap import __version__
-from kvswap.backends.file_store import FileBackend
+from kvswap.backends.file_store import Capacity, FileBackend
 from kvswap.protocol import messages as m
-from kvswap.protocol.errors import Busy, Internal, KvswapError, Timeout, Unavailable
+from kvswap.protocol.errors import Busy, Internal, InvalidLayout, KvswapError, Timeout, Unavailable
+from kvswap.protocol.layout import CacheLayout
 from kvswap.protocol.limits import MAX_KEYS_PER_REQUEST, MAX_KEY_LENGTH, MAX_MESSAGE_BYTES, PROTOCOL_VERSION
 
 from .config import Config
+from .curve import CurveError, CurveServer
 from .metrics import HealthServer, Metrics
 from .swapper import Deadline, Swapper
 
@@ -47,7 +50,10 @@ class Daemon:
         config.validate()
         self.config = config
         self.metrics = Metrics()
-        self.backend = FileBackend(config.storage_dir, fsync=config.fsync)
+        self.backend = FileBackend(
+            config.storage_dir, fsync=config.fsync, direct_io=config.direct_io,
+            capacity=Capacity(config.storage_max_bytes, config.storage_min_free_bytes),
+            rescan_interval_s=config.storage_rescan_interval_s)
         self.swapper = Swapper(config, self.backend, self.metrics)
         self.health = HealthServer(self.metrics, ready=lambda: self.serving)
         self.serving = False
@@ -56,7 +62,11 @@ class Daemon:
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self._requests: set[asyncio.Task] = set()
+        #: Requests in flight per client connection (ZMQ identity); entries go at zero.
+        self._per_client: dict[bytes, int] = {}
         self._stop_event: asyncio.Event | None = None
+        self.curve = (CurveServer(config.curve_secret_key_file, config.authorized_keys, self.metrics.registry)
+                      if config.curve else None)
         self.control_port = config.cache_queue_port
 
     # -- the three phases ---------------------------------------------------------------------------
@@ -74,13 +84,21 @@ class Daemon:
         try:
             await asyncio.get_running_loop().run_in_executor(None, self.backend.check_writable)
         except OSError as exc:
-            raise StartupError(f"storage directory {self.backend.root} is not writable: {exc.strerror or exc}") from None
+            raise StartupError(f"storage directory {self.backend.root} cannot be used: {exc.strerror or exc}") from None
         self._ctx = zmq.asyncio.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + 4096)  # ZMQ drops larger frames itself
         sock.setsockopt(zmq.LINGER, 2000)
         sock.setsockopt(zmq.RCVHWM, 10_000)
         sock.setsockopt(zmq.SNDHWM, 10_000)
+        if ":" in cfg.host:
+            sock.setsockopt(zmq.IPV6, 1)  # ZMQ binds IPv6 addresses only with this set
+        if self.curve is not None:
+            try:
+                self.curve.prepare(self._ctx, sock)  # before bind: no connection without a handshake
+            except CurveError as exc:
+                sock.close(0)
+                raise StartupError(str(exc)) from None
         try:
             sock.bind(f"tcp://{_zmq_host(cfg.host)}:{cfg.cache_queue_port}")
         except zmq.ZMQError as exc:
@@ -95,7 +113,7 @@ class Daemon:
         except OSError as exc:
             reason = "already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
             raise StartupError(f"cannot bind the metrics port {cfg.host}:{cfg.metrics_port}: {reason}") from None
-        if not _is_loopback(cfg.host):
+        if not _is_loopback(cfg.host) and self.curve is None:
             log.warning("the control socket listens on %s, beyond loopback, without authentication: anyone who "
                         "reaches it can read and overwrite cached KV blocks", cfg.host)
         self.swapper.start()
@@ -115,11 +133,13 @@ class Daemon:
     async def main_loop(self) -> None:
         assert self._sock is not None and self._stop_event is not None
         watcher = asyncio.ensure_future(self._watch_engine())
+        maintainer = asyncio.ensure_future(self._maintain())
         receiver = asyncio.ensure_future(self._receive())
         try:
             await self._stop_event.wait()
         finally:
             watcher.cancel()
+            maintainer.cancel()
         log.info("draining: %d requests in flight, %d records waiting to be written", len(self._requests),
                  self.swapper.pending_writes)
         self.serving = False
@@ -135,7 +155,10 @@ class Daemon:
         while self._requests and time.monotonic() < deadline:
             await asyncio.wait(list(self._requests), timeout=max(0.0, deadline - time.monotonic()))
         try:
-            await asyncio.wait_for(self.swapper.flush(), max(0.0, deadline - time.monotonic()))
+            # Shielded: on timeout wait_for cancels what it waits for, and cancelling flush's
+            # gather would cancel the write tasks themselves, releasing staging slots that a
+            # write thread is still reading.
+            await asyncio.wait_for(asyncio.shield(self.swapper.flush()), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             log.warning("drain timeout: %d records were not written", self.swapper.pending_writes)
             return False
@@ -143,12 +166,21 @@ class Daemon:
 
     async def shutdown(self) -> None:
         self.serving = False
-        for task in list(self._requests):
+        unfinished = list(self._requests)
+        for task in unfinished:
             task.cancel()
+        if unfinished:
+            # Let each cancelled request send its 'unavailable' before the socket closes.
+            await asyncio.wait(unfinished, timeout=5)
+            log.warning("shutdown: answered %d unfinished requests with unavailable", len(unfinished))
+        if self._sock is not None:
+            self._refuse_queued()
         await self.swapper.stop()
         await self.health.close()
         if self._sock is not None:
             self._sock.close(linger=2000)
+        if self.curve is not None:
+            self.curve.close()
         if self._ctx is not None:
             self._ctx.term()
         log.info("kvswapd stopped")
@@ -170,14 +202,46 @@ class Daemon:
                     "too many requests in flight", limit=self.config.max_inflight_requests)))
                 self.metrics.errors.labels(op="any", code="busy").inc()
                 continue
+            client = envelope[0]
+            held = self._per_client.get(client, 0)
+            if held >= self.config.max_inflight_per_client:
+                # One engine (or a runaway loop in it) must not take every slot from the others.
+                self._send(envelope, m.Reply(m.peek_id(payload), False, error=Busy(
+                    "too many requests in flight from this client", limit=self.config.max_inflight_per_client)))
+                self.metrics.errors.labels(op="any", code="busy").inc()
+                continue
+            self._per_client[client] = held + 1
             task = asyncio.ensure_future(self._answer(envelope, payload))
             self._requests.add(task)
             task.add_done_callback(self._requests.discard)
+            task.add_done_callback(lambda _, c=client: self._client_done(c))
+
+    def _client_done(self, client: bytes) -> None:
+        held = self._per_client.get(client, 0) - 1
+        if held > 0:
+            self._per_client[client] = held
+        else:
+            self._per_client.pop(client, None)
+
+    def _refuse_queued(self) -> None:
+        """Answer the frames still queued on the socket after the receiver stopped."""
+        assert self._sock is not None
+        while True:
+            pending = self._sock.recv_multipart(flags=zmq.NOBLOCK)
+            if pending.exception() is not None:  # zmq.Again: nothing left (or the socket is gone)
+                return
+            frames = pending.result()
+            if len(frames) >= 2:
+                self._send(frames[:-1], m.Reply(m.peek_id(frames[-1]), False,
+                                                error=Unavailable("the daemon is shutting down")))
 
     async def _answer(self, envelope: list[bytes], payload: bytes) -> None:
+        """Exactly one reply per request, whatever happens: result, typed error, ``internal``
+        for a bug, ``unavailable`` when shutdown cancels it."""
         started = time.perf_counter()
         self.metrics.in_flight.inc()
         op = "invalid"
+        request_id: int | None = None
         try:
             try:
                 request = m.decode_request(payload)
@@ -185,21 +249,38 @@ class Daemon:
                 log.info("bad request frame (%d bytes): %s: %s", len(payload), exc.error.code, exc.error.message)
                 reply = m.Reply(exc.request_id, False, error=exc.error)
             else:
-                op = request.op
+                op, request_id = request.op, request.id
                 reply = await self._dispatch(request)
-            self._send(envelope, reply)
-            self.metrics.requests.labels(op=op, outcome="ok" if reply.ok else "error").inc()
-            if not reply.ok and reply.error is not None:
-                self.metrics.errors.labels(op=op, code=reply.error.code).inc()
-            self.metrics.latency.labels(op=op).observe(time.perf_counter() - started)
+        except asyncio.CancelledError:
+            self._reply(envelope, op, started, m.Reply(request_id, False, error=Unavailable(
+                "the daemon shut down before this request finished")))
+            raise
+        except Exception as exc:  # a bug outside the handler: still answer
+            log.exception("request %s (%s) failed", request_id, op)
+            reply = m.Reply(request_id, False, error=Internal(f"{type(exc).__name__}: {exc}"[:500]))
         finally:
             self.metrics.in_flight.dec()
+        self._reply(envelope, op, started, reply)
+
+    def _reply(self, envelope: list[bytes], op: str, started: float, reply: m.Reply) -> None:
+        self._send(envelope, reply)
+        self.metrics.requests.labels(op=op, outcome="ok" if reply.ok else "error").inc()
+        if not reply.ok and reply.error is not None:
+            self.metrics.errors.labels(op=op, code=reply.error.code).inc()
+        self.metrics.latency.labels(op=op).observe(time.perf_counter() - started)
 
     async def _dispatch(self, request: m.Request) -> m.Reply:
         timeout_ms = request.timeout_ms or self.config.default_timeout_ms
         deadline = Deadline(timeout_ms / 1000)
         work = asyncio.ensure_future(self._handler(request)(request, deadline))
-        done, _ = await asyncio.wait({work}, timeout=deadline.remaining())
+        try:
+            done, _ = await asyncio.wait({work}, timeout=deadline.remaining())
+        except asyncio.CancelledError:
+            # Shutdown: the caller answers 'unavailable'. The work is not cancelled (its copy
+            # threads cannot be); it stops touching engine memory and finishes on its own.
+            deadline.expire()
+            work.add_done_callback(_log_late_failure)
+            raise
         if not done:
             # Answer now; the work stops touching engine memory (deadline.live() is False) and
             # cleans up after itself.
@@ -227,9 +308,9 @@ class Daemon:
         return {
             "hello": self._hello,
             "ping": self._ping,
-            "register": lambda r, d: s.register(r.layout, r.handles, r.regions, r.pid),
+            "register": self._register,
             "unregister": self._unregister,
-            "swap_out": lambda r, d: s.swap_out(r.block_ids, r.keys, r.wait, d),
+            "swap_out": lambda r, d: s.swap_out(r.block_ids, r.keys, r.wait, d, r.partial),
             "swap_in": lambda r, d: s.swap_in(r.keys, r.block_ids, d),
             "lookup": lambda r, d: s.lookup(r.keys),
             "delete": lambda r, d: s.delete(r.keys),
@@ -247,6 +328,19 @@ class Daemon:
     async def _ping(self, request: m.Ping, deadline: Deadline) -> dict[str, Any]:
         return {"pong": True}
 
+    async def _register(self, request: m.Register, deadline: Deadline) -> dict[str, Any]:
+        # Before anything is mapped or allocated: staging holds at least one whole record per
+        # pool, so a layout with huge records (over a sparse segment that costs its sender
+        # nothing) would make the daemon allocate and touch that much memory twice over.
+        layout = CacheLayout.from_wire(request.layout)
+        slot = -(-layout.record_bytes // 4096) * 4096
+        budget = min(self.config.write_staging_bytes, self.config.read_staging_bytes)
+        if slot > budget:
+            raise InvalidLayout(f"a record of {layout.record_bytes} bytes does not fit in the staging memory of "
+                                f"{budget} bytes; raise --write-staging-bytes and --read-staging-bytes",
+                                record_bytes=layout.record_bytes, staging_bytes=budget)
+        return await self.swapper.register(request.layout, request.handles, request.regions, request.pid)
+
     async def _unregister(self, request: m.Unregister, deadline: Deadline) -> dict[str, Any]:
         return {"released": await self.swapper.release_registration("unregistered")}
 
@@ -260,11 +354,17 @@ class Daemon:
     def _send(self, envelope: list[bytes], reply: m.Reply) -> None:
         assert self._sock is not None
         try:
-            self._sock.send_multipart([*envelope, m.encode_reply(reply)], flags=zmq.NOBLOCK)
-        except zmq.Again:
-            log.warning("reply to request %s dropped: the client is not reading", reply.id)
-        except zmq.ZMQError as exc:
-            log.warning("reply to request %s dropped: %s", reply.id, exc)
+            frame = m.encode_reply(reply)
+        except (TypeError, ValueError, OverflowError) as exc:  # a result msgpack cannot carry: a bug
+            log.error("reply to request %s cannot be encoded: %s", reply.id, exc)
+            frame = m.encode_reply(m.Reply(reply.id, False, error=Internal(f"unencodable reply: {exc}"[:500])))
+        # With NOBLOCK the asyncio socket finishes the send at once and puts any error in the
+        # returned future rather than raising it. A ROUTER drops replies to vanished peers.
+        sent = self._sock.send_multipart([*envelope, frame], flags=zmq.NOBLOCK)
+        if sent.done():
+            _log_send_failure(sent, reply.id)
+        else:
+            sent.add_done_callback(lambda f: _log_send_failure(f, reply.id))
 
     async def _watch_engine(self) -> None:
         while True:
@@ -273,6 +373,23 @@ class Daemon:
                 await self.swapper.check_engine()
             except Exception:
                 log.exception("engine check failed")
+
+
+    async def _maintain(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.maintenance_interval_s)
+            try:
+                await self.swapper.maintain()
+            except Exception:
+                log.exception("storage maintenance failed")
+
+
+def _log_send_failure(sent: asyncio.Future, request_id: int | None) -> None:
+    exc = None if sent.cancelled() else sent.exception()
+    if isinstance(exc, zmq.Again):
+        log.warning("reply to request %s dropped: the client is not reading", request_id)
+    elif exc is not None:
+        log.warning("reply to request %s dropped: %s", request_id, exc)
 
 
 def _log_late_failure(task: asyncio.Future) -> None:
@@ -300,6 +417,10 @@ def run(config: Config) -> int:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; a missing wheel still runs
         uvloop = None
+    # The receive loop shares the GIL with copy and I/O threads. Python hands the GIL over
+    # every 5 ms by default, which would put 5 ms stalls into a ping's answer while a swap
+    # runs; 0.5 ms keeps the loop responsive at a small cost in thread throughput.
+    sys.setswitchinterval(0.0005)
     daemon = Daemon(config)
     try:
         if uvloop is not None:

@@ -24,7 +24,7 @@ import asyncio
 import functools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
@@ -62,10 +62,11 @@ class Deadline:
 
 @dataclass
 class InflightWrite:
-    """A record copied into staging whose write has not finished. swap_in reads from ``slot``;
-    ``done`` resolves when the write ends, either way."""
+    """A record being copied into staging and written. swap_in reads from ``slot`` once
+    ``copied`` resolves; ``done`` resolves when the write ends, either way."""
 
     slot: Slot
+    copied: asyncio.Future = field(repr=False)
     done: asyncio.Future = field(repr=False)
 
 
@@ -87,6 +88,7 @@ class Swapper:
         self._write_pool: ThreadPoolExecutor | None = None
         self._read_pool: ThreadPoolExecutor | None = None
         self._copy_pool: ThreadPoolExecutor | None = None
+        self._maintenance_pool: ThreadPoolExecutor | None = None
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -95,6 +97,9 @@ class Swapper:
         self._read_pool = ThreadPoolExecutor(self.config.read_threads, thread_name_prefix="kvswap-read")
         # Gathers and scatters are memory copies; one thread keeps them ordered and off the loop.
         self._copy_pool = ThreadPoolExecutor(1, thread_name_prefix="kvswap-copy")
+        # Scans and eviction can take seconds on big directories; they get their own thread.
+        self._maintenance_pool = ThreadPoolExecutor(1, thread_name_prefix="kvswap-maintain")
+        self.metrics.watch_stores(lambda: list(self._stores.values()))
         self._engine_idle = asyncio.Event()
         self._engine_idle.set()
         self._read_slot_freed = asyncio.Condition()
@@ -104,7 +109,7 @@ class Swapper:
 
     async def stop(self) -> None:
         await self.release_registration("shutdown")
-        for pool in (self._copy_pool, self._read_pool, self._write_pool):
+        for pool in (self._copy_pool, self._read_pool, self._write_pool, self._maintenance_pool):
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=False)
         for store in self._stores.values():
@@ -136,6 +141,11 @@ class Swapper:
             raise
         await self.release_registration("replaced")
         self.registration, self.store = registration, store
+        # One namespace at a time: another layout's store gives up its eviction lock (so a
+        # daemon still registered for it can take over) and its metrics. Writes still in
+        # flight keep their own reference and finish.
+        for namespace in [ns for ns in self._stores if ns != registration.namespace]:
+            self._stores.pop(namespace).close()
         self.metrics.registered.set(1)
         self.metrics.registrations.labels(event="registered").inc()
         log.info("registered namespace %s for pid %d: %d regions, %d blocks of %d bytes", registration.namespace,
@@ -147,17 +157,21 @@ class Swapper:
         scan = getattr(store, "scan", None)
         if scan is None:
             return
-        tier = store.tier
-        self.metrics.scan_complete.labels(tier=tier).set(0)
 
         def done(fut: asyncio.Future) -> None:
             if fut.exception() is not None:
-                log.error("index scan of %s failed: %s", tier, fut.exception())
-                return
-            self.metrics.scan_complete.labels(tier=tier).set(1)
-            log.info("index scan of %s found %d records", tier, fut.result())
+                log.error("index scan of %s failed: %s", store.tier, fut.exception())
+            else:
+                log.info("index scan of %s found %d records", store.tier, fut.result())
 
-        asyncio.ensure_future(self._run(self._read_pool, scan)).add_done_callback(done)
+        asyncio.ensure_future(self._run(self._maintenance_pool, scan)).add_done_callback(done)
+
+    async def maintain(self) -> None:
+        """Background storage upkeep (eviction, leadership, rescans) for every open store."""
+        for store in list(self._stores.values()):
+            maintain = getattr(store, "maintain", None)
+            if maintain is not None:
+                await self._run(self._maintenance_pool, maintain)
 
     async def _make_staging(self, record_bytes: int) -> None:
         if self._write_staging is None or self._write_staging.record_bytes != record_bytes:
@@ -216,8 +230,8 @@ class Swapper:
 
     # -- swap_out -------------------------------------------------------------------------------
 
-    async def swap_out(self, block_ids: Sequence[int], keys: Sequence[str], wait: str,
-                       deadline: Deadline) -> dict[str, Any]:
+    async def swap_out(self, block_ids: Sequence[int], keys: Sequence[str], wait: str, deadline: Deadline,
+                       partial: bool = False) -> dict[str, Any]:
         registration, store = self._require()
         registration.check_blocks(block_ids)
         status: list[str] = ["exists"] * len(keys)
@@ -230,41 +244,41 @@ class Swapper:
             todo.append(i)
         if todo:
             todo = await self._run(self._read_pool, _not_stored, store, keys, todo)
-        pool = self._write_staging
-        assert pool is not None
-        if len(todo) > pool.capacity:
-            raise TooLarge(f"swap_out of {len(todo)} new blocks exceeds the write staging of {pool.capacity} records",
-                           blocks=len(todo), limit=pool.capacity)
-        slots = pool.try_take(len(todo))
-        if slots is None:
-            self.metrics.write_failures.labels(code="busy").inc(len(todo))
-            raise Busy("write staging is full; retry after pending writes finish", needed=len(todo), free=pool.free,
-                       pending_writes=len(self._inflight))
+        slots = self._take_write_slots(len(todo), partial)
+        for i in todo[len(slots):]:
+            status[i] = "skipped"  # partial: no staging left for these; the engine may retry them
+        todo = todo[: len(slots)]
         loop = asyncio.get_running_loop()
-        entries = [(keys[i], InflightWrite(slot, loop.create_future())) for i, slot in zip(todo, slots)]
-
-        async def copy_out() -> bool:
-            return await self._run(self._copy_pool, _gather, registration, [block_ids[i] for i in todo],
-                                   [s.view for s in slots], deadline)
-
-        try:
-            copied = await self._using_engine(copy_out)
-        except BaseException:
-            for slot in slots:
-                slot.release()
-            raise
-        if not copied:  # the deadline passed mid-copy: these bytes may be stale, drop them
-            for slot in slots:
-                slot.release()
-            raise Timeout("deadline passed while copying blocks; nothing was stored")
+        entries = [(keys[i], InflightWrite(slot, loop.create_future(), loop.create_future()))
+                   for i, slot in zip(todo, slots)]
         for key, entry in entries:
             self._inflight[key] = entry
         self.metrics.pending_writes.set(len(self._inflight))
-        for i in todo:
-            status[i] = "queued"
-        task = asyncio.ensure_future(self._write_records(store, entries))
+
+        def submit(n: int) -> Future:
+            key, entry = entries[n]
+            return self._write_pool.submit(store.put, key, memoryview(entry.slot.view))  # type: ignore[union-attr]
+
+        async def copy_out() -> tuple[list[Future], BaseException | None]:
+            return await self._run(self._copy_pool, _gather_and_submit, registration,
+                                   [block_ids[i] for i in todo], [e.slot.view for _, e in entries], deadline, submit)
+
+        writes, failure = await asyncio.shield(self._using_engine(copy_out))
+        # Records not gathered (deadline passed, or a failure) are dropped; the rest are
+        # readable from staging until their write ends.
+        for key, entry in entries[len(writes):]:
+            self._drop_inflight(key, entry)
+        for _, entry in entries[: len(writes)]:
+            entry.copied.set_result(None)
+        task = asyncio.ensure_future(self._finish_writes(entries[: len(writes)], writes))
         self._write_tasks.add(task)
         task.add_done_callback(self._write_tasks.discard)
+        if failure is not None:
+            raise failure
+        if len(writes) < len(entries):
+            raise Timeout("deadline passed while copying blocks", copied=len(writes), blocks=len(entries))
+        for i in todo:
+            status[i] = "queued"
         self.metrics.bytes.labels(direction="out").inc(len(todo) * registration.record_bytes)
         if wait == "persisted":
             outcomes = await asyncio.shield(task)
@@ -272,16 +286,41 @@ class Swapper:
                 status[i] = outcome
         for s in status:
             self.metrics.blocks.labels(op="swap_out", status=s).inc()
-        return {"status": status, "queued": status.count("queued"), "stored": status.count("stored"),
-                "exists": status.count("exists"), "failed": len(status) - status.count("queued")
-                - status.count("stored") - status.count("exists")}
+        counts = {name: status.count(name) for name in ("queued", "stored", "exists", "skipped")}
+        return {"status": status, **counts, "failed": len(status) - sum(counts.values())}
 
-    async def _write_records(self, store: Store, entries: list[tuple[str, InflightWrite]]) -> list[str]:
-        """Write each record on the write pool; a key's in-flight entry goes when its write ends."""
+    def _take_write_slots(self, count: int, partial: bool) -> list[Slot]:
+        pool = self._write_staging
+        assert pool is not None
+        if count > pool.capacity and not partial:
+            raise TooLarge(f"swap_out of {count} new blocks exceeds the write staging of {pool.capacity} records",
+                           blocks=count, limit=pool.capacity)
+        slots = pool.try_take(count)
+        if slots is None and partial:
+            slots = pool.try_take(min(count, pool.free)) or []
+        if slots is None:
+            self.metrics.write_failures.labels(code="busy").inc(count)
+            raise Busy("write staging is full; retry after pending writes finish", needed=count, free=pool.free,
+                       pending_writes=len(self._inflight))
+        return slots
 
-        async def write_one(key: str, entry: InflightWrite) -> str:
+    def _drop_inflight(self, key: str, entry: InflightWrite) -> None:
+        if self._inflight.get(key) is entry:
+            del self._inflight[key]
+        self.metrics.pending_writes.set(len(self._inflight))
+        if not entry.copied.done():
+            entry.copied.set_exception(Timeout("the copy of this block was abandoned"))
+            entry.copied.exception()  # retrieved: a reader may never look
+        if not entry.done.done():
+            entry.done.set_result(None)
+        entry.slot.release()
+
+    async def _finish_writes(self, entries: list[tuple[str, "InflightWrite"]], writes: list[Future]) -> list[str]:
+        """Wait for each record's write; its in-flight entry goes when the write ends."""
+
+        async def finish(key: str, entry: InflightWrite, write: Future) -> str:
             try:
-                await self._run(self._write_pool, store.put, key, memoryview(entry.slot.view))
+                await asyncio.wrap_future(write)
                 return "stored"
             except KvswapError as exc:
                 log.warning("write of %s failed: %s", key, exc.message)
@@ -292,13 +331,9 @@ class Swapper:
                 self.metrics.write_failures.labels(code="internal").inc()
                 return "internal"
             finally:
-                if self._inflight.get(key) is entry:
-                    del self._inflight[key]
-                self.metrics.pending_writes.set(len(self._inflight))
-                entry.done.set_result(None)
-                entry.slot.release()
+                self._drop_inflight(key, entry)
 
-        return list(await asyncio.gather(*(write_one(k, e) for k, e in entries)))
+        return list(await asyncio.gather(*(finish(k, e, w) for (k, e), w in zip(entries, writes))))
 
     # -- swap_in ----------------------------------------------------------------------------------
 
@@ -315,6 +350,10 @@ class Swapper:
                 # The write is still running: serve its staged bytes, pinned while we copy.
                 slot = entry.slot.retain()
                 try:
+                    try:
+                        await entry.copied
+                    except KvswapError:
+                        return  # its copy was abandoned: a miss
                     ok = await self._run(self._copy_pool, _scatter, registration, block_ids[i], slot.view, deadline)
                 finally:
                     slot.release()
@@ -355,14 +394,13 @@ class Swapper:
 
     async def lookup(self, keys: Sequence[str]) -> dict[str, Any]:
         _, store = self._require()
-        # In-flight writes count as stored: a swap_in after this lookup will find them.
-        hits = 0
-        while hits < len(keys) and keys[hits] in self._inflight:
-            hits += 1
+        # In-flight writes count as stored: a swap_in after this lookup will find them. The
+        # in-memory answer covers the common case on the loop itself (no thread hop); only a
+        # key the index does not know goes to the directory, on a read thread.
+        hits = store.cached_prefix(keys, self._inflight)
         if hits < len(keys):
-            rest = [k for k in keys[hits:]]
             inflight = set(self._inflight)
-            hits += await self._run(self._read_pool, _prefix, store, rest, inflight)
+            hits += await self._run(self._read_pool, _prefix, store, keys[hits:], inflight)
         self.metrics.lookup_keys.labels(result="hit").inc(hits)
         self.metrics.lookup_keys.labels(result="miss").inc(len(keys) - hits)
         return {"hits": hits}
@@ -399,7 +437,8 @@ class Swapper:
         if registration is not None:
             out["registration"] = registration.describe()
         if self.store is not None:
-            out["tiers"] = {self.store.tier: self.store.usage()}
+            stats = getattr(self.store, "stats", self.store.usage)
+            out["tiers"] = {self.store.tier: stats()}
         for pool in (self._write_staging, self._read_staging):
             if pool is not None:
                 out[f"{pool.name}_staging"] = {"slots": pool.capacity, "free": pool.free,
@@ -414,8 +453,29 @@ def _not_stored(store: Store, keys: Sequence[str], todo: list[int]) -> list[int]
     return [i for i in todo if not store.contains(keys[i])]
 
 
-def _gather(registration: Registration, block_ids: list[int], slots: list[Any], deadline: Deadline) -> bool:
-    return registration.mover.gather_blocks(block_ids, slots, deadline.live)
+#: Blocks gathered per mover call before their writes are submitted: small enough that the
+#: first writes start while later blocks are still being copied, large enough for GPU movers
+#: to batch their device copies.
+GATHER_CHUNK = 4
+
+
+def _gather_and_submit(registration: Registration, block_ids: list[int], slots: list[Any], deadline: Deadline,
+                       submit: Callable[[int], Future]) -> tuple[list[Future], BaseException | None]:
+    """Gather blocks into their slots a chunk at a time and submit each record's write as soon
+    as its chunk is copied, so copying block N+1 overlaps writing block N. Returns the writes
+    submitted (fewer than the blocks when the deadline passed or a copy failed) and the
+    failure. Never raises: submitted writes must stay accounted for, since their slots may
+    only be reused once they finish."""
+    writes: list[Future] = []
+    try:
+        for start in range(0, len(block_ids), GATHER_CHUNK):
+            chunk = slice(start, start + GATHER_CHUNK)
+            if not registration.mover.gather_blocks(block_ids[chunk], slots[chunk], deadline.live):
+                break
+            writes.extend(submit(n) for n in range(start, min(start + GATHER_CHUNK, len(block_ids))))
+    except BaseException as exc:  # handed back to the loop, which answers with it
+        return writes, exc
+    return writes, None
 
 
 def _scatter(registration: Registration, block_id: int, slot: Any, deadline: Deadline) -> bool:

@@ -14,6 +14,15 @@ A :class:`Client` is not thread-safe (ZMQ sockets are not); use one per thread, 
         c.register(cache)
         c.swap_out([3, 4], ["k0", "k1"], wait="persisted")
         r = c.swap_in(["k0", "k1"], [7, 8])      # r.loaded == 2
+
+Against a daemon with CURVE on, pass the client's keypair and the daemon's public key, as z85
+strings or as the files ``kvswap keygen`` writes::
+
+    Client(endpoint, curve_secret_key_file="keys/engine0.key_secret",
+           curve_server_key_file="keys/kvswapd.key")
+
+A client the daemon does not authorize gets no answer at all (ZMQ drops it at the
+handshake): its calls raise :class:`~kvswap.protocol.errors.Unavailable` or ``Timeout``.
 """
 
 from __future__ import annotations
@@ -39,12 +48,14 @@ DEFAULT_ENDPOINT = "tcp://127.0.0.1:55500"
 @dataclass(frozen=True)
 class SwapOutResult:
     #: Per key: "queued" (copied; write pending), "stored" (persisted), "exists" (already
-    #: stored, in flight or repeated in this request), or an error code when its write failed.
+    #: stored, in flight or repeated in this request), "skipped" (partial request, no staging
+    #: left), or an error code when its write failed.
     status: list[str]
     queued: int
     stored: int
     exists: int
     failed: int
+    skipped: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,9 +84,13 @@ def _ops_register(cache: Any) -> Call:
     return m.Register, body, dict
 
 
-def _ops_swap_out(block_ids: Sequence[int], keys: Sequence[str], wait: str) -> Call:
-    return (m.SwapOut, {"block_ids": tuple(int(b) for b in block_ids), "keys": tuple(keys), "wait": wait},
-            lambda r: SwapOutResult(r["status"], r["queued"], r["stored"], r["exists"], r["failed"]))
+def _ops_swap_out(block_ids: Sequence[int], keys: Sequence[str], wait: str, partial: bool = False) -> Call:
+    body = {"block_ids": tuple(int(b) for b in block_ids), "keys": tuple(keys), "wait": wait}
+    if partial:
+        body["partial"] = True
+    return (m.SwapOut, body,
+            lambda r: SwapOutResult(r["status"], r["queued"], r["stored"], r["exists"], r["failed"],
+                                    r.get("skipped", 0)))
 
 
 def _ops_swap_in(keys: Sequence[str], block_ids: Sequence[int]) -> Call:
@@ -95,12 +110,47 @@ def _plain(cls: type[m.Request], field: str | None = None) -> Call:
     return cls, {}, (lambda r: r[field]) if field else dict
 
 
+KeyLike = str | bytes
+
+
+def _z85(key: KeyLike, what: str) -> bytes:
+    raw = key.encode("ascii") if isinstance(key, str) else bytes(key)
+    if len(raw) != 40:
+        raise ValueError(f"{what} must be a 40-character z85 CURVE key, got {len(raw)} characters")
+    return raw
+
+
+def curve_keys(curve_server_key: KeyLike | None = None, curve_public_key: KeyLike | None = None,
+               curve_secret_key: KeyLike | None = None, curve_secret_key_file: str | None = None,
+               curve_server_key_file: str | None = None) -> tuple[bytes, bytes, bytes] | None:
+    """(client public, client secret, server public) from keys or key files; None when no
+    CURVE argument is given. Raises ``ValueError`` for an incomplete or malformed set."""
+    given = (curve_server_key, curve_public_key, curve_secret_key, curve_secret_key_file, curve_server_key_file)
+    if all(v is None for v in given):
+        return None
+    if curve_secret_key_file is not None or curve_server_key_file is not None:
+        from zmq.auth import load_certificate  # only CURVE users read certificate files
+
+        if curve_secret_key_file is not None:
+            curve_public_key, curve_secret_key = load_certificate(curve_secret_key_file)
+            if not curve_secret_key:
+                raise ValueError(f"{curve_secret_key_file} holds no secret key")
+        if curve_server_key_file is not None:
+            curve_server_key, _ = load_certificate(curve_server_key_file)
+    if curve_server_key is None or curve_secret_key is None:
+        raise ValueError("CURVE needs the client's secret key (or key file) and the server's public key (or key file)")
+    secret = _z85(curve_secret_key, "curve_secret_key")
+    public = _z85(curve_public_key, "curve_public_key") if curve_public_key is not None else zmq.curve_public(secret)
+    return public, secret, _z85(curve_server_key, "curve_server_key")
+
+
 class _Base:
-    def __init__(self, endpoint: str, timeout: float) -> None:
+    def __init__(self, endpoint: str, timeout: float, curve: tuple[bytes, bytes, bytes] | None = None) -> None:
         if timeout <= 0:
             raise ValueError("timeout must be positive")
         self.endpoint = endpoint
         self.timeout = timeout
+        self._curve = curve
         self._ids = itertools.count(int.from_bytes(os.urandom(3), "little") << 16)
 
     def _make(self, cls: type[m.Request], body: dict[str, Any], timeout: float | None) -> tuple[m.Request, float]:
@@ -108,20 +158,26 @@ class _Base:
         request = cls(id=next(self._ids), timeout_ms=max(1, int(timeout * 1000)), **body)
         return request, timeout
 
-    @staticmethod
-    def _socket(ctx: zmq.Context) -> zmq.Socket:
+    def _socket(self, ctx: zmq.Context) -> zmq.Socket:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         # Queue only to a live connection: a request for a daemon that is down fails at once
-        # instead of being delivered, stale, when it comes back.
+        # instead of being delivered, stale, when it comes back. With CURVE a connection is
+        # live only after its handshake, so a refused client fails the same way.
         sock.setsockopt(zmq.IMMEDIATE, 1)
+        if self._curve is not None:
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = self._curve
         return sock
 
 
 class Client(_Base):
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = 30.0,
-                 context: zmq.Context | None = None) -> None:
-        super().__init__(endpoint, timeout)
+                 context: zmq.Context | None = None, *, curve_server_key: KeyLike | None = None,
+                 curve_public_key: KeyLike | None = None, curve_secret_key: KeyLike | None = None,
+                 curve_secret_key_file: str | None = None, curve_server_key_file: str | None = None) -> None:
+        """The ``curve_*`` arguments (see :func:`curve_keys`) are for a daemon with CURVE on."""
+        super().__init__(endpoint, timeout, curve_keys(curve_server_key, curve_public_key, curve_secret_key,
+                                                       curve_secret_key_file, curve_server_key_file))
         self._ctx = context or zmq.Context.instance()
         self._sock = self._socket(self._ctx)
         self._sock.connect(endpoint)
@@ -208,8 +264,8 @@ class Client(_Base):
         return self._run(_plain(m.Unregister, "released"))
 
     def swap_out(self, block_ids: Sequence[int], keys: Sequence[str], wait: str = "copied",
-                 timeout: float | None = None) -> SwapOutResult:
-        return self._run(_ops_swap_out(block_ids, keys, wait), timeout)
+                 timeout: float | None = None, partial: bool = False) -> SwapOutResult:
+        return self._run(_ops_swap_out(block_ids, keys, wait, partial), timeout)
 
     def swap_in(self, keys: Sequence[str], block_ids: Sequence[int], timeout: float | None = None) -> SwapInResult:
         return self._run(_ops_swap_in(keys, block_ids), timeout)
@@ -243,8 +299,11 @@ class AsyncClient(_Base):
     """The asyncio client. Any number of coroutines may call it at once."""
 
     def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = 30.0,
-                 context: zmq.asyncio.Context | None = None) -> None:
-        super().__init__(endpoint, timeout)
+                 context: zmq.asyncio.Context | None = None, *, curve_server_key: KeyLike | None = None,
+                 curve_public_key: KeyLike | None = None, curve_secret_key: KeyLike | None = None,
+                 curve_secret_key_file: str | None = None, curve_server_key_file: str | None = None) -> None:
+        super().__init__(endpoint, timeout, curve_keys(curve_server_key, curve_public_key, curve_secret_key,
+                                                       curve_secret_key_file, curve_server_key_file))
         self._ctx = context or zmq.asyncio.Context.instance()
         self._sock = self._socket(self._ctx)
         self._sock.connect(endpoint)
@@ -315,8 +374,8 @@ class AsyncClient(_Base):
         return await self._run(_plain(m.Unregister, "released"))
 
     async def swap_out(self, block_ids: Sequence[int], keys: Sequence[str], wait: str = "copied",
-                       timeout: float | None = None) -> SwapOutResult:
-        return await self._run(_ops_swap_out(block_ids, keys, wait), timeout)
+                       timeout: float | None = None, partial: bool = False) -> SwapOutResult:
+        return await self._run(_ops_swap_out(block_ids, keys, wait, partial), timeout)
 
     async def swap_in(self, keys: Sequence[str], block_ids: Sequence[int],
                       timeout: float | None = None) -> SwapInResult:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
 from .errors import InvalidLayout
+from .limits import MAX_REGIONS
 
 #: Bytes per element of each supported cache dtype. ``uint8`` is an fp8 cache, which carries
 #: per-layer scale tensors.
@@ -169,6 +170,12 @@ class CacheLayout:
             raise InvalidLayout(f"scale_dtype must be one of {sorted(DTYPE_SIZES)}", field="scale_dtype")
         if not isinstance(self.has_values, bool):
             raise InvalidLayout("has_values must be a boolean", field="has_values")
+        # Checked before the regions are built: a registration naming a billion layers would
+        # otherwise spend minutes and gigabytes building them on the daemon's copy thread.
+        count = self.total_layers * (2 if self.has_values else 1) * (2 if self.has_scales else 1)
+        if count > MAX_REGIONS:
+            raise InvalidLayout(f"the layout has {count} regions, the limit is {MAX_REGIONS}",
+                                regions=count, limit=MAX_REGIONS)
 
     def _build_regions(self) -> list[Region]:
         names: list[tuple[str, int]] = []

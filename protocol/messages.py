@@ -76,6 +76,12 @@ def _wait(name: str, value: Any) -> str:
     return value
 
 
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise BadRequest(f"{name} must be true or false", field=name)
+    return value
+
+
 def _map(name: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise BadRequest(f"{name} must be a map", field=name)
@@ -103,6 +109,9 @@ class Request:
     op: ClassVar[str] = ""
     #: Field name -> checker; the dataclass fields after ``id``/``timeout_ms``.
     checks: ClassVar[dict[str, Callable[[str, Any], Any]]] = {}
+    #: Fields added after version 1 shipped: left off the wire at their default, so frames
+    #: stay byte-identical for peers that never use them.
+    omit_default: ClassVar[frozenset[str]] = frozenset()
 
     id: int
     timeout_ms: int | None = field(default=None, kw_only=True)
@@ -113,6 +122,8 @@ class Request:
             if f.name in ("id", "timeout_ms"):
                 continue
             value = getattr(self, f.name)
+            if f.name in self.omit_default and value == f.default:
+                continue
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 
@@ -135,7 +146,8 @@ class Ping(Request):
 @dataclass(frozen=True)
 class Register(Request):
     op = "register"
-    checks = {"layout": _map, "handles": _map_list, "regions": _map_list, "pid": _uint(2**31)}
+    # A pid is a C int (os.kill overflows beyond it); Linux caps pids at 2**22 anyway.
+    checks = {"layout": _map, "handles": _map_list, "regions": _map_list, "pid": _uint(2**31 - 1)}
     layout: dict[str, Any] = field(default_factory=dict)
     handles: tuple[dict[str, Any], ...] = ()
     regions: tuple[dict[str, Any], ...] = ()
@@ -150,10 +162,14 @@ class Unregister(Request):
 @dataclass(frozen=True)
 class SwapOut(Request):
     op = "swap_out"
-    checks = {"block_ids": _block_ids, "keys": _keys, "wait": _wait}
+    checks = {"block_ids": _block_ids, "keys": _keys, "wait": _wait, "partial": _bool}
+    omit_default = frozenset({"partial"})
     block_ids: tuple[int, ...] = ()
     keys: tuple[str, ...] = ()
     wait: str = "copied"
+    #: When staging is short, store what fits and report the rest "skipped" instead of
+    #: refusing the whole request with ``busy``.
+    partial: bool = False
 
     def validate(self) -> None:
         check_pair(self.keys, self.block_ids)

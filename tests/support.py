@@ -32,6 +32,8 @@ class DaemonProcess:
     extra_args: list[str] = field(default_factory=list)
     log_path: Path | None = None
     proc: subprocess.Popen | None = None
+    #: Extra Client arguments for the readiness check (the CURVE keys of a CURVE daemon).
+    client_options: dict = field(default_factory=dict)
 
     @property
     def endpoint(self) -> str:
@@ -51,7 +53,7 @@ class DaemonProcess:
              *self.extra_args],
             stdout=log, stderr=log)
         log.close()
-        with Client(self.endpoint, timeout=2) as c:
+        with Client(self.endpoint, timeout=2, **self.client_options) as c:
             try:
                 c.wait_ready(timeout)
             except Exception:

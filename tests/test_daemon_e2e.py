@@ -324,7 +324,7 @@ def test_startup_fails_when_the_directory_is_not_writable(tmp_path: Path) -> Non
     result = _run_daemon(["--cache-queue-port", str(free_port()), "--metrics-port", str(free_port()),
                           "--storage-dir", str(blocker / "store")])
     assert result.returncode == 3
-    assert "not writable" in result.stderr
+    assert "cannot be used: Not a directory" in result.stderr
 
 
 def test_env_vars_configure_the_daemon(tmp_path: Path, cache: HostKVCache) -> None:

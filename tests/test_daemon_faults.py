@@ -12,7 +12,7 @@ import pytest
 from kvswap.backends.file_store import record_name
 from kvswap.protocol import Busy, Client, HostKVCache, Timeout
 
-from support import InProcessDaemon
+from support import InProcessDaemon, wait_until
 
 
 class GatedWrites:
@@ -57,6 +57,8 @@ def test_swap_in_of_a_key_still_being_written_returns_its_data(tmp_path: Path, c
 def test_full_disk_is_a_typed_status_and_reads_keep_working(tmp_path: Path, cache: HostKVCache) -> None:
     with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
+        assert wait_until(lambda: c.stats()["tiers"]["file"]["leader"])  # evicts once its scan is done
+        c.swap_out(list(range(10, 20)), [f"old-{i}" for i in range(10)], wait="persisted")
         c.swap_out([0], ["before"], wait="persisted")
         disk = d.daemon.backend.disk
 
@@ -68,6 +70,10 @@ def test_full_disk_is_a_typed_status_and_reads_keep_working(tmp_path: Path, cach
         assert out.status == ["no_space", "no_space"]
         assert out.failed == 2
         assert c.lookup(["x1"]) == 0
+        # Each failed write evicted the least recently used records to make room, then gave up.
+        stats = c.stats()["tiers"]["file"]
+        assert stats["enospc_retries"] == 2 and stats["evicted_enospc"] >= 2
+        assert c.lookup(["old-0"]) == 0
         cache.zero_blocks([9])
         assert c.swap_in(["before"], [9]).loaded == 1
         assert cache.block_record(9) == cache.block_record(0)
@@ -131,3 +137,19 @@ def test_full_write_staging_answers_busy(tmp_path: Path, cache: HostKVCache) -> 
         gate.gate.set()
         c.flush()
         assert c.swap_out([4], ["b4"], wait="persisted").status == ["stored"]
+
+
+def test_partial_swap_out_stores_what_fits_and_says_which(tmp_path: Path, cache: HostKVCache) -> None:
+    record = cache.layout.record_bytes
+    with InProcessDaemon(tmp_path / "s", write_staging_bytes=3 * max(record, 4096)) as d, \
+            Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        gate = GatedWrites(d.daemon.backend.disk)
+        first = c.swap_out([0, 1], ["p0", "p1"])
+        assert first.queued == 2
+        out = c.swap_out([2, 3, 4], ["p2", "p3", "p4"], partial=True)
+        assert out.status == ["queued", "skipped", "skipped"]
+        assert (out.queued, out.skipped, out.failed) == (1, 2, 0)
+        gate.gate.set()
+        c.flush()
+        assert c.lookup(["p0", "p1", "p2", "p3"]) == 3

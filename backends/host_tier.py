@@ -1,0 +1,221 @@
+"""The host tier: records in the daemon's RAM, within a byte budget, least recently used out.
+
+One budget (``capacity_bytes``) covers every namespace the daemon serves: the backend owns one
+LRU list of ``(namespace, key) -> record bytes`` and each store is a view of its namespace.
+A record is kept whole — header and payload, the bytes a record file holds — so a read is
+verified exactly like a file, and ``bytes`` counts header + payload.
+
+A put that would go over the budget evicts least recently used records (of any namespace)
+until the new one fits; a record larger than the whole budget is refused with ``NoSpace``.
+Reads (``get_into``) make a record most recently used; ``contains`` does not, so a lookup
+cannot keep a record alive. Encoding and checksums run outside the lock; the lock only guards
+the dictionary and the byte count, so ``used_bytes <= capacity_bytes`` holds at every instant.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from typing import Any, Container, Iterable, Sequence
+
+from kvswap.protocol.errors import Corrupt, NoSpace
+
+from . import record
+from .base import Backend, GetStatus, Store
+
+log = logging.getLogger(__name__)
+
+
+class HostBackend(Backend):
+    tier = "host"
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError("host tier capacity must be a positive number of bytes")
+        self.capacity_bytes = capacity_bytes
+        self._lock = threading.Lock()
+        # (namespace, key) -> whole record; first = least recently used.
+        self._entries: OrderedDict[tuple[str, str], bytes] = OrderedDict()
+        self._used = 0
+        self._stores: dict[str, HostStore] = {}
+        #: Records evicted to make room, all namespaces.
+        self.evictions = 0
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def records(self) -> int:
+        return len(self._entries)
+
+    def open_store(self, namespace: str, description: dict[str, Any], record_bytes: int) -> "HostStore":
+        with self._lock:
+            store = self._stores.get(namespace)
+            if store is None:
+                store = self._stores[namespace] = HostStore(self, namespace, record_bytes)
+            elif store.record_bytes != record_bytes:
+                raise ValueError(f"namespace {namespace} holds {store.record_bytes}-byte records, not {record_bytes}")
+            return store
+
+    def check(self) -> list[str]:
+        """Compare the byte count and per-namespace counts with the entries; return the
+        mismatches (empty when consistent). For stress tests."""
+        problems = []
+        with self._lock:
+            total = sum(len(v) for v in self._entries.values())
+            if total != self._used:
+                problems.append(f"used_bytes {self._used} != sum of records {total}")
+            if self._used > self.capacity_bytes:
+                problems.append(f"used_bytes {self._used} > capacity {self.capacity_bytes}")
+            for ns, store in self._stores.items():
+                n = sum(1 for (entry_ns, _) in self._entries if entry_ns == ns)
+                b = sum(len(v) for (entry_ns, _), v in self._entries.items() if entry_ns == ns)
+                if (n, b) != (store._records, store._bytes):
+                    problems.append(f"namespace {ns}: counted {store._records}/{store._bytes}, holds {n}/{b}")
+        return problems
+
+    def close(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._used = 0
+            for store in self._stores.values():
+                store._records = store._bytes = 0
+
+    # -- under self._lock -------------------------------------------------------------------------
+
+    def _insert(self, namespace: str, key: str, data: bytes) -> None:
+        """Store ``data`` as the most recent record, evicting the oldest to make room."""
+        size = len(data)
+        if size > self.capacity_bytes:
+            raise NoSpace("record larger than the host tier", size=size, capacity=self.capacity_bytes)
+        entry = (namespace, key)
+        old = self._entries.pop(entry, None)
+        if old is not None:
+            self._account(namespace, -1, -len(old))
+        while self._used + size > self.capacity_bytes:
+            (victim_ns, _), victim = self._entries.popitem(last=False)
+            self._account(victim_ns, -1, -len(victim))
+            self.evictions += 1
+            self._stores[victim_ns].evictions += 1
+        self._entries[entry] = data
+        self._account(namespace, 1, size)
+
+    def _remove(self, namespace: str, key: str, expected: bytes | None = None) -> bool:
+        entry = (namespace, key)
+        data = self._entries.get(entry)
+        if data is None or (expected is not None and data is not expected):
+            return False
+        del self._entries[entry]
+        self._account(namespace, -1, -len(data))
+        return True
+
+    def _account(self, namespace: str, records: int, nbytes: int) -> None:
+        self._used += nbytes
+        store = self._stores[namespace]
+        store._records += records
+        store._bytes += nbytes
+
+
+class HostStore(Store):
+    """One namespace's view of the host tier. Counters: ``hits``, ``misses``, ``evictions``
+    (this namespace's records evicted for room), ``corrupt``."""
+
+    tier = "host"
+
+    def __init__(self, backend: HostBackend, namespace: str, record_bytes: int) -> None:
+        self.backend = backend
+        self.namespace = namespace
+        self.namespace_bytes = bytes.fromhex(namespace)
+        self.record_bytes = record_bytes
+        self.stored_bytes = record.header_len_for(record_bytes) + record_bytes
+        self._records = 0
+        self._bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+        self.corrupt = 0
+
+    def _encode(self, key: str, payload: memoryview) -> bytes:
+        if len(payload) != self.record_bytes:
+            raise ValueError(f"payload of {len(payload)} bytes, the namespace stores {self.record_bytes}")
+        return record.encode_record(self.namespace_bytes, key, payload)
+
+    def put(self, key: str, payload: memoryview) -> int:
+        data = self._encode(key, payload)
+        with self.backend._lock:
+            self.backend._insert(self.namespace, key, data)
+        return len(data)
+
+    def put_many(self, items: Iterable[tuple[str, memoryview]]) -> list[int]:
+        encoded = [(key, self._encode(key, payload)) for key, payload in items]
+        with self.backend._lock:
+            for key, data in encoded:
+                self.backend._insert(self.namespace, key, data)
+        return [len(data) for _, data in encoded]
+
+    def get_into(self, key: str, out: memoryview) -> GetStatus:
+        entry = (self.namespace, key)
+        with self.backend._lock:
+            data = self.backend._entries.get(entry)
+            if data is None:
+                self.misses += 1
+                return GetStatus.MISS
+            self.backend._entries.move_to_end(entry)
+        try:
+            payload = record.decode_record(data, self.namespace_bytes, key)
+            if len(payload) != len(out):
+                raise Corrupt("payload length differs from the namespace's record size", got=len(payload))
+        except Corrupt as exc:
+            log.warning("corrupt host-tier record for key %s: %s; removing it", key, exc.message)
+            with self.backend._lock:
+                # Only the bytes we read: a put may have replaced them meanwhile.
+                self.backend._remove(self.namespace, key, expected=data)
+                self.corrupt += 1
+            return GetStatus.CORRUPT
+        out[:] = payload
+        with self.backend._lock:
+            self.hits += 1
+        return GetStatus.LOADED
+
+    def get_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[GetStatus]:
+        return [self.get_into(key, out) for key, out in zip(keys, outs)]
+
+    def contains(self, key: str) -> bool:
+        return (self.namespace, key) in self.backend._entries
+
+    def contains_prefix(self, keys: Sequence[str]) -> int:
+        with self.backend._lock:
+            for i, key in enumerate(keys):
+                if (self.namespace, key) not in self.backend._entries:
+                    return i
+        return len(keys)
+
+    def cached_prefix(self, keys: Sequence[str], also_present: Container[str] = ()) -> int:
+        """RAM is the whole tier, so this is :meth:`contains_prefix` (no I/O either way)."""
+        entries = self.backend._entries
+        with self.backend._lock:
+            for i, key in enumerate(keys):
+                if (self.namespace, key) not in entries and key not in also_present:
+                    return i
+        return len(keys)
+
+    def delete(self, key: str) -> bool:
+        with self.backend._lock:
+            return self.backend._remove(self.namespace, key)
+
+    def delete_many(self, keys: Iterable[str]) -> int:
+        with self.backend._lock:
+            return sum(1 for key in keys if self.backend._remove(self.namespace, key))
+
+    def clear(self) -> int:
+        with self.backend._lock:
+            mine = [key for (ns, key) in self.backend._entries if ns == self.namespace]
+            for key in mine:
+                self.backend._remove(self.namespace, key)
+        return len(mine)
+
+    def usage(self) -> dict[str, int]:
+        with self.backend._lock:
+            return {"records": self._records, "bytes": self._bytes}

@@ -1,0 +1,194 @@
+"""Every request gets exactly one answer: limits on requests in flight (per client and in all),
+message size, a slow disk, and shutdown with requests still running.
+
+Daemons run in this process where a test holds the disk seam (to keep requests in flight or
+slow them down), and as subprocesses otherwise; all are driven over real sockets."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from kvswap.protocol import Busy, CacheLayout, Client, HostKVCache, InvalidLayout, Timeout, Unavailable
+from kvswap.protocol import messages as m
+from kvswap.protocol.limits import MAX_MESSAGE_BYTES
+
+from support import DaemonProcess, InProcessDaemon, wait_until
+
+
+class HeldDisk:
+    """Wraps one method of the daemon's Disk: each call announces itself, then waits for the
+    gate (or sleeps ``delay`` seconds) before doing the real work."""
+
+    def __init__(self, disk, method: str, delay: float | None = None) -> None:
+        self.disk, self.method = disk, method
+        self.original = getattr(disk, method)
+        self.delay = delay
+        self.gate = threading.Event()
+        self.started = threading.Semaphore(0)
+        self.finished = threading.Semaphore(0)
+        setattr(disk, method, self)
+
+    def __call__(self, *args, **kwargs):
+        self.started.release()
+        try:
+            if self.delay is not None:
+                time.sleep(self.delay)
+            else:
+                assert self.gate.wait(30), "the test never opened the gate"
+            return self.original(*args, **kwargs)
+        finally:
+            self.finished.release()
+
+    def wait_started(self, count: int) -> None:
+        for _ in range(count):
+            assert self.started.acquire(timeout=10), "the held call never started"
+
+    def restore(self) -> None:
+        setattr(self.disk, self.method, self.original)
+
+
+def persisted_swap_out(client: Client, block: int, key: str, timeout: float = 10) -> int:
+    return client.send(m.SwapOut, {"block_ids": (block,), "keys": (key,), "wait": "persisted"}, timeout=timeout)
+
+
+def test_one_client_cannot_hold_more_than_its_share(tmp_path: Path, cache: HostKVCache) -> None:
+    with InProcessDaemon(tmp_path / "s", max_inflight_per_client=4) as d, \
+            Client(d.endpoint, timeout=10) as greedy, Client(d.endpoint, timeout=10) as other:
+        greedy.register(cache)
+        held = HeldDisk(d.daemon.backend.disk, "write_file")
+        sent = [persisted_swap_out(greedy, i, f"g{i}") for i in range(4)]
+        held.wait_started(4)
+        extra = greedy.send(m.Lookup, {"keys": ("g0",)})
+        with pytest.raises(Busy) as err:
+            greedy.wait(extra)
+        assert err.value.details == {"limit": 4}
+        # Another client is not affected by the greedy one's limit.
+        assert other.lookup(["g0", "g1", "g2", "g3"]) == 4  # in-flight writes count as stored
+        assert other.ping() > 0
+        held.gate.set()
+        assert [greedy.wait(i)["status"] for i in sent] == [["stored"]] * 4
+        assert greedy.lookup(["g0"]) == 1  # its slots came back
+        # Nothing left counted for anyone (the count drops just after each answer is sent).
+        assert wait_until(lambda: d.daemon._per_client == {})
+
+
+def test_the_daemon_wide_limit_answers_busy_to_everyone(tmp_path: Path, cache: HostKVCache) -> None:
+    with InProcessDaemon(tmp_path / "s", max_inflight_requests=3) as d, \
+            Client(d.endpoint, timeout=10) as a, Client(d.endpoint, timeout=10) as b:
+        a.register(cache)
+        held = HeldDisk(d.daemon.backend.disk, "write_file")
+        sent = [persisted_swap_out(a, i, f"w{i}") for i in range(3)]
+        held.wait_started(3)
+        with pytest.raises(Busy) as err:
+            b.ping()
+        assert err.value.details == {"limit": 3}
+        held.gate.set()
+        assert [a.wait(i)["stored"] for i in sent] == [1, 1, 1]
+        assert b.ping() > 0
+
+
+def test_shutdown_answers_unfinished_requests_unavailable_and_keeps_their_writes(
+        tmp_path: Path, cache: HostKVCache) -> None:
+    expected = cache.block_record(5)
+    daemon = InProcessDaemon(tmp_path / "s", drain_timeout_s=0.5)
+    with daemon as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        held = HeldDisk(d.daemon.backend.disk, "write_file")
+        stuck = persisted_swap_out(c, 5, "late", timeout=30)
+        held.wait_started(1)
+        d._loop.call_soon_threadsafe(d.daemon.request_exit)
+        assert wait_until(lambda: not d.daemon.serving)
+        with Client(d.endpoint, timeout=5) as newcomer, pytest.raises(Unavailable):
+            newcomer.ping()  # draining: new requests are refused with a reason
+        # The stuck request is answered when the drain gives up, long before its 30 s deadline
+        # (a lost answer would surface here as the client's own Timeout after 5 s).
+        with pytest.raises(Unavailable):
+            c.wait(stuck, timeout=5)
+        held.gate.set()  # the write was copied before shutdown: it still lands
+    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        cache.zero_blocks([6])
+        assert c.swap_in(["late"], [6]).loaded == 1
+        assert cache.block_record(6) == expected
+
+
+def test_a_slow_read_times_out_with_an_answer_and_never_writes_late(tmp_path: Path, cache: HostKVCache) -> None:
+    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        c.swap_out([1], ["slow"], wait="persisted")
+        expected = cache.block_record(1)
+        slow = HeldDisk(d.daemon.backend.disk, "read_file", delay=0.6)
+        cache.zero_blocks([9])
+        with pytest.raises(Timeout) as err:
+            c.swap_in(["slow"], [9], timeout=0.2)
+        assert err.value.details == {"timeout_ms": 200}  # the daemon's answer, not the client's
+        assert c.ping() > 0  # the loop is free while the read crawls
+        assert slow.finished.acquire(timeout=10)
+        assert c.stats()["pending_writes"] == 0
+        # The read finished after the deadline: the engine may have reused block 9 by now, so
+        # nothing may be written into it.
+        assert cache.block_record(9) == bytes(cache.layout.record_bytes)
+        slow.delay = 0.05  # slow but within the deadline: loads normally
+        assert c.swap_in(["slow"], [9], timeout=5).loaded == 1
+        assert cache.block_record(9) == expected
+
+
+def _raw(endpoint: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
+
+
+def test_message_size_limits(daemon: DaemonProcess) -> None:
+    sock = _raw(daemon.endpoint)
+    try:
+        # Just over the protocol limit: read by ZMQ, refused by the daemon with a reason.
+        over = msgpack.packb({"v": 1, "id": 3, "op": "ping", "pad": b"x" * (MAX_MESSAGE_BYTES + 16)})
+        sock.send(over)
+        assert sock.poll(10_000)
+        reply = msgpack.unpackb(sock.recv())
+        assert reply["ok"] is False and reply["error"]["code"] == "too_large" and reply["id"] is None
+        # Far over: ZMQ drops the frame (and the connection) before it costs the daemon memory.
+        sock.send(b"\x00" * (MAX_MESSAGE_BYTES + 1_000_000))
+        assert not sock.poll(1000)
+    finally:
+        sock.close()
+    assert daemon.alive
+    with Client(daemon.endpoint, timeout=5) as c:
+        assert c.ping() > 0
+
+
+def test_layouts_beyond_the_region_limit_are_refused_before_they_are_built() -> None:
+    with pytest.raises(InvalidLayout) as err:
+        CacheLayout("huge", num_layers=10**9, num_blocks=1, block_size=1, num_kv_heads=1, head_dim=1)
+    assert err.value.details == {"regions": 2 * 10**9, "limit": 4096}
+
+
+def test_register_refuses_a_pid_beyond_a_c_int(client: Client, cache: HostKVCache) -> None:
+    registration = cache.registration()
+    registration["pid"] = 2**31
+    with pytest.raises(Exception) as err:
+        client.register(registration)
+    assert err.value.code == "bad_request"
+    assert client.register(cache)["record_bytes"] == cache.layout.record_bytes
+
+
+def test_a_record_larger_than_staging_is_refused_before_anything_is_allocated(tmp_path: Path) -> None:
+    """A sparse shared-memory segment costs its sender nothing; without this check a layout
+    of huge records made the daemon allocate (and touch) two staging slots that large."""
+    huge = CacheLayout("huge-records", num_layers=1, num_blocks=1, block_size=1, num_kv_heads=1,
+                       head_dim=1024 * 1024, dtype="float16")  # 4 MiB records (k and v)
+    with InProcessDaemon(tmp_path / "s", write_staging_bytes=1 << 20, read_staging_bytes=2 << 20) as d, \
+            HostKVCache.create(huge) as cache, Client(d.endpoint, timeout=10) as c:
+        with pytest.raises(InvalidLayout) as err:
+            c.register(cache)
+        assert err.value.details == {"record_bytes": 4 << 20, "staging_bytes": 1 << 20}
+        assert d.daemon.swapper.registration is None
+        assert c.stats()["registered"] is False and "write_staging" not in c.stats()

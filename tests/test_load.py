@@ -1,0 +1,27 @@
+"""16 clients doing mixed swap_out / swap_in / lookup against one real daemon for 10 s: every
+request answered exactly once, every loaded byte right, nobody stuck. Latency and memory are
+printed for the record, never asserted (benchmarks/load.py runs the same for longer)."""
+
+from __future__ import annotations
+
+import pytest
+
+from load_driver import run_load
+from support import DaemonProcess
+
+
+def test_sixteen_clients_mixed_load(daemon: DaemonProcess, capsys: pytest.CaptureFixture) -> None:
+    assert daemon.proc is not None
+    report = run_load(daemon.endpoint, daemon.proc.pid, clients=16, duration_s=10.0, seed=7)
+    with capsys.disabled():
+        print("\n" + report.summary())
+    assert report.hung_workers == 0
+    assert report.total("sent") > 0 and all(w.sent > 0 for w in report.workers)  # every client got work done
+    assert report.total("lost") == 0
+    assert report.total("duplicated") == 0
+    assert report.total("strays") == 0
+    assert report.wrong_answers == []
+    assert report.total("mismatched_blocks") == 0
+    assert report.total("verified_blocks") > 0
+    assert set(report.errors) <= {"busy"}, report.errors
+    assert daemon.alive

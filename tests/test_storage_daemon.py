@@ -1,0 +1,145 @@
+"""The file tier in production, through real daemons: a capacity cap, three daemons sharing
+one directory, and a restart that serves lookups before its scan ends."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvswap.backends.file_store import FileStore
+from kvswap.protocol import CacheLayout, Client, HostKVCache
+
+from support import DaemonProcess, InProcessDaemon, free_port, wait_until
+
+LAYOUT = CacheLayout("cap-test", num_layers=2, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=64)
+FILE_BYTES = 4096 + LAYOUT.record_bytes  # 16 KiB records carry a page-sized header
+
+
+def dir_bytes(root: Path) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(root):
+        total += sum(os.path.getsize(os.path.join(dirpath, n)) for n in names if n.endswith((".kvr", ".tmp")))
+    return total
+
+
+def test_a_capped_store_stays_under_its_cap_and_keeps_recent_records(tmp_path: Path) -> None:
+    cap = 40 * FILE_BYTES
+    store = tmp_path / "store"
+    daemon = DaemonProcess(store, free_port(), free_port(), extra_args=["--storage-max-bytes", str(cap)]).start()
+    try:
+        with HostKVCache.create(LAYOUT) as cache, Client(daemon.endpoint, timeout=10) as c:
+            cache.fill_random(3)
+            c.register(cache)
+            keys = [f"cap-{i}" for i in range(120)]  # 3x the cap
+            peak = 0
+            for start in range(0, len(keys), 8):
+                batch = keys[start : start + 8]
+                out = c.swap_out(list(range(len(batch))), batch, wait="persisted")
+                assert out.status == ["stored"] * len(batch)
+                peak = max(peak, dir_bytes(store))
+            assert peak <= cap + FILE_BYTES
+            assert dir_bytes(store) <= cap
+            assert c.ping() < 5
+            # The most recent records are all there; the oldest are gone.
+            assert c.lookup(keys[-16:]) == 16
+            assert c.lookup(keys[:1]) == 0
+            assert c.swap_in(keys[-4:], [40, 41, 42, 43]).loaded == 4
+        assert daemon.metric("kvswap_evictions_total", tier="file", reason="capacity") >= 70
+        assert daemon.metric("kvswap_store_capacity_bytes", tier="file") == cap
+        assert daemon.metric("kvswap_stored_bytes", tier="file") <= cap
+    finally:
+        assert daemon.stop() == 0
+
+
+def _leaders(daemons: list[DaemonProcess]) -> list[int]:
+    return [i for i, d in enumerate(daemons) if d.alive and d.metric("kvswap_eviction_leader", tier="file") == 1]
+
+
+def test_three_daemons_share_one_directory(tmp_path: Path) -> None:
+    store = tmp_path / "shared"
+    cap = 48 * FILE_BYTES
+    args = ["--storage-max-bytes", str(cap), "--storage-rescan-interval-s", "0.3", "--maintenance-interval-s", "0.1"]
+    daemons = [DaemonProcess(store, free_port(), free_port(), extra_args=args).start() for _ in range(3)]
+    caches = [HostKVCache.create(LAYOUT) for _ in daemons]
+    try:
+        clients = [Client(d.endpoint, timeout=10) for d in daemons]
+        for i, (c, cache) in enumerate(zip(clients, caches)):
+            cache.fill_random(10 + i)
+            c.register(cache)
+        # Each writes its own keys; all see every record, whoever wrote it.
+        for i, c in enumerate(clients):
+            c.swap_out(list(range(8)), [f"d{i}-{k}" for k in range(8)], wait="persisted")
+        for i, c in enumerate(clients):
+            for j in range(3):
+                assert c.lookup([f"d{j}-{k}" for k in range(8)]) == 8
+        caches[0].zero_blocks([50])
+        assert clients[0].swap_in(["d2-5"], [50]).loaded == 1
+        assert caches[0].block_record(50) == caches[2].block_record(5)
+
+        # Exactly one evicts.
+        assert wait_until(lambda: len(_leaders(daemons)) == 1, timeout=10)
+        leader = _leaders(daemons)[0]
+        for round_ in range(10):
+            for i, c in enumerate(clients):
+                c.swap_out(list(range(8)), [f"r{round_}-d{i}-{k}" for k in range(8)], wait="persisted")
+        assert wait_until(lambda: dir_bytes(store) <= cap, timeout=15)
+        evicting = [i for i, d in enumerate(daemons)
+                    if d.metric("kvswap_evictions_total", tier="file", reason="capacity") > 0]
+        assert evicting == [leader]
+
+        # Kill the evicting daemon: another takes over and keeps the cap.
+        daemons[leader].kill()
+        clients[leader].close()
+        survivors = [i for i in range(3) if i != leader]
+        assert wait_until(lambda: len(_leaders(daemons)) == 1 and _leaders(daemons)[0] in survivors, timeout=10)
+        new_leader = _leaders(daemons)[0]
+        for round_ in range(10):
+            for i in survivors:
+                clients[i].swap_out(list(range(8)), [f"t{round_}-d{i}-{k}" for k in range(8)], wait="persisted")
+        assert wait_until(lambda: dir_bytes(store) <= cap, timeout=15)
+        assert daemons[new_leader].metric("kvswap_evictions_total", tier="file", reason="capacity") > 0
+        for i in survivors:
+            clients[i].close()
+    finally:
+        for d in daemons:
+            d.stop()
+        for cache in caches:
+            cache.close()
+
+
+def test_lookups_work_before_the_start_up_scan_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = tmp_path / "store"
+    with HostKVCache.create(LAYOUT) as cache:
+        cache.fill_random(5)
+        keys = [f"early-{i}" for i in range(16)]
+        with InProcessDaemon(store) as d, Client(d.endpoint, timeout=10) as c:
+            c.register(cache)
+            c.swap_out(list(range(16)), keys, wait="persisted")
+        # A dead writer's temp file, left by a crash.
+        namespace = LAYOUT.fingerprint()
+        leftover = store / namespace / "tmp" / f"{'0' * 32}.{os.uname().nodename}.{2**22 + 7}.deadbeef.cafe.tmp"
+        leftover.write_bytes(b"torn")
+
+        gate = threading.Event()
+        real_scan = FileStore.scan
+
+        def slow_scan(self):
+            assert gate.wait(30), "the test never released the scan"
+            return real_scan(self)
+
+        monkeypatch.setattr(FileStore, "scan", slow_scan)
+        with InProcessDaemon(store) as d, Client(d.endpoint, timeout=10) as c:
+            c.register(cache)
+            assert c.stats()["tiers"]["file"]["scan_complete"] is False
+            assert c.lookup(keys) == 16  # answered from the directory while the scan waits
+            cache.zero_blocks([30])
+            assert c.swap_in(keys[3:4], [30]).loaded == 1
+            gate.set()
+            assert wait_until(lambda: c.stats()["tiers"]["file"]["scan_complete"] is True)
+            stats = c.stats()["tiers"]["file"]
+            assert stats["records"] == 16
+            assert stats["temp_reclaimed"] == 1
+            assert not leftover.exists()
