@@ -6,8 +6,9 @@ the file tier, and a record that fails is deleted and reported ``corrupt``.
 
 Every socket has a timeout and redis-py's own retries are off: a failure goes to the
 :class:`~kvswap.backends.remote.HealthGate`, which marks the tier unhealthy, makes later calls
-fail fast with ``Unavailable`` and re-probes with ``PING`` after its backoff. Batches go out as
-pipelines (one round trip), cut so that one pipeline carries at most ``PIPELINE_BYTES``.
+fail fast with ``Unavailable`` and re-probes with ``PING`` after its backoff. Batches of small
+records go out as pipelines (one round trip), cut so that one carries at most ``PIPELINE_BYTES``;
+records of ``PIPELINE_BYTES`` and more go one command each.
 
 Redis's own eviction (``maxmemory-policy allkeys-lru``) is how the pool makes room; a record
 it evicted is a miss.
@@ -36,9 +37,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Most bytes of values one pipeline carries (each way), so a large batch never builds one
-#: huge request or reply in memory.
-PIPELINE_BYTES: Final = 64 << 20
+#: Most bytes of values one pipeline carries (each way). Pipelines save round trips, which
+#: matters for small records; for records of a MiB and more the link is the limit, and redis-py
+#: moved them faster one command at a time (benchmarks/remote_throughput.py: 1 MiB puts 0.96 vs
+#: 0.69 GB/s pipelined by 8), so those go one per command.
+PIPELINE_BYTES: Final = 1 << 20
 #: Keys per EXISTS/UNLINK batch.
 KEY_BATCH: Final = 512
 
@@ -182,8 +185,11 @@ class RedisStore(RemoteStoreBase):
     # -- batches --------------------------------------------------------------------------------
 
     def put_many(self, items: Iterable[tuple[str, memoryview]]) -> list[int]:
+        step = PIPELINE_BYTES // self.stored_bytes
+        if step <= 1:
+            return [self.put(key, payload) for key, payload in items]
         sizes: list[int] = []
-        for chunk in _batches(items, max(1, PIPELINE_BYTES // self.stored_bytes)):
+        for chunk in _batches(items, step):
             values = [(key, self.header_for(key, payload) + payload) for key, payload in chunk]
 
             def op(c: Any, values=values) -> None:
@@ -197,8 +203,10 @@ class RedisStore(RemoteStoreBase):
         return sizes
 
     def get_many(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[GetStatus]:
+        step = PIPELINE_BYTES // self.stored_bytes
+        if step <= 1:
+            return [self.get_into(key, out) for key, out in zip(keys, outs)]
         statuses: list[GetStatus] = []
-        step = max(1, PIPELINE_BYTES // self.stored_bytes)
         for start in range(0, len(keys), step):
             chunk = keys[start:start + step]
 

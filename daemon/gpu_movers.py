@@ -30,6 +30,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import signal
 import threading
 from typing import Any, Callable, Final, Protocol, Sequence
 
@@ -775,6 +776,43 @@ def _import(name: str) -> Any:
     return importlib.import_module(name)
 
 
+#: Signals the daemon handles itself (SIGTERM drains); paddle must not take them over.
+_DAEMON_SIGNALS: Final = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+
+
+@contextlib.contextmanager
+def keep_signal_handlers():
+    """Put the process's signal handlers back as they were after the block.
+
+    Paddle installs C++ handlers for SIGTERM and others when it loads (they print a stack and
+    abort: "FatalError: `Termination signal` is detected"), which would turn the daemon's
+    SIGTERM drain into a crash. ``signal.signal`` cannot undo that from the copy thread this
+    runs on, so the C-level actions are saved and restored with ``sigaction`` (process-wide,
+    any thread); the buffer is opaque to us and only passed back to libc.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    saved = []
+    for name in _DAEMON_SIGNALS:
+        number = int(getattr(signal, name))
+        action = ctypes.create_string_buffer(512)  # larger than any libc's struct sigaction
+        if libc.sigaction(number, None, action) == 0:
+            saved.append((number, action))
+    try:
+        yield
+    finally:
+        for number, action in saved:
+            if libc.sigaction(number, action, None) != 0:
+                log.warning("could not restore the handler of signal %d", number)
+
+
+def import_paddle() -> Any:
+    """Import paddle without letting it take the daemon's signals."""
+    with keep_signal_handlers():
+        paddle = _import("paddle")
+        paddle.to_tensor([0])  # the first op finishes paddle's own initialisation
+    return paddle
+
+
 def backend_order(requested: str | None) -> list[str]:
     """Which backends to try: the one asked for (``KVSWAP_GPU_BACKEND`` where none is), or
     paddle then CuPy for ``auto``."""
@@ -792,17 +830,19 @@ def _make_kernels(name: str, device: Any, bases: list[int], sizes: list[int], pl
     if importlib.util.find_spec(name) is None:
         raise InvalidLayout(f"{name} is not installed")
     if name == "paddle":
-        paddle = _import("paddle")
+        paddle = import_paddle()
         if not paddle.is_compiled_with_cuda():
             raise InvalidLayout("this paddle is a CPU build (install paddlepaddle-gpu)")
-        paddle.set_device(f"gpu:{device.ordinal}")
 
         def upload(address: int, values: np.ndarray, stream: int) -> None:
             if values.nbytes:
                 device.copy_htod_async(address, values.ctypes.data, values.nbytes, stream)
 
-        return PaddleKernels(paddle, bases, sizes, placements, record_bytes, upload, on_gpu=True,
-                             device_id=device.ordinal)
+        # Paddle initialises its GPU runtime on first use: keep our signals through that too.
+        with keep_signal_handlers():
+            paddle.set_device(f"gpu:{device.ordinal}")
+            return PaddleKernels(paddle, bases, sizes, placements, record_bytes, upload, on_gpu=True,
+                                 device_id=device.ordinal)
     cupy = _import("cupy")
     return ChunkKernels(CupyChunkRunner(cupy, device), bases, placements, record_bytes, batch)
 

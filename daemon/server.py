@@ -200,7 +200,7 @@ class Daemon:
             if len(self._requests) >= self.config.max_inflight_requests:
                 self._send(envelope, m.Reply(m.peek_id(payload), False, error=Busy(
                     "too many requests in flight", limit=self.config.max_inflight_requests)))
-                self.metrics.errors.labels(op="any", code="busy").inc()
+                self._count_refusal()
                 continue
             client = envelope[0]
             held = self._per_client.get(client, 0)
@@ -208,13 +208,19 @@ class Daemon:
                 # One engine (or a runaway loop in it) must not take every slot from the others.
                 self._send(envelope, m.Reply(m.peek_id(payload), False, error=Busy(
                     "too many requests in flight from this client", limit=self.config.max_inflight_per_client)))
-                self.metrics.errors.labels(op="any", code="busy").inc()
+                self._count_refusal()
                 continue
             self._per_client[client] = held + 1
             task = asyncio.ensure_future(self._answer(envelope, payload))
             self._requests.add(task)
             task.add_done_callback(self._requests.discard)
             task.add_done_callback(lambda _, c=client: self._client_done(c))
+
+    def _count_refusal(self) -> None:
+        """A request refused before decoding (in-flight limits) still counts as a request, so
+        the busy ratio's denominator is right."""
+        self.metrics.requests.labels(op="any", outcome="error").inc()
+        self.metrics.errors.labels(op="any", code="busy").inc()
 
     def _client_done(self, client: bytes) -> None:
         held = self._per_client.get(client, 0) - 1
@@ -246,7 +252,8 @@ class Daemon:
             try:
                 request = m.decode_request(payload)
             except m.DecodeError as exc:
-                log.info("bad request frame (%d bytes): %s: %s", len(payload), exc.error.code, exc.error.message)
+                op = exc.op or op  # a bad key in a lookup is counted as a lookup
+                log.info("bad %s frame (%d bytes): %s: %s", op, len(payload), exc.error.code, exc.error.message)
                 reply = m.Reply(exc.request_id, False, error=exc.error)
             else:
                 op, request_id = request.op, request.id
@@ -348,7 +355,7 @@ class Daemon:
         out = self.swapper.stats()
         out.update({"version": __version__, "uptime_s": round(time.time() - self.started, 3),
                     "requests_in_flight": len(self._requests), "storage_dir": self.backend.root,
-                    "fsync": self.config.fsync})
+                    "fsync": self.config.fsync, "metrics_port": self.health.port})
         return out
 
     def _send(self, envelope: list[bytes], reply: m.Reply) -> None:

@@ -35,10 +35,12 @@ class DecodeError(Exception):
     """A frame that is not a valid request. ``error`` is the typed error to answer with;
     ``request_id`` is set when the id could be read, so the answer still reaches the caller."""
 
-    def __init__(self, error: KvswapError, request_id: int | None) -> None:
+    def __init__(self, error: KvswapError, request_id: int | None, op: str | None = None) -> None:
         super().__init__(error.message)
         self.error = error
         self.request_id = request_id
+        #: The op, when the frame named a known one (for metrics and logs).
+        self.op = op
 
 
 # -- field checkers: each takes the raw value and returns the typed one, or raises ----------
@@ -282,6 +284,7 @@ def decode_request(frame: bytes) -> Request:
     """Parse and validate one request frame; raise :class:`DecodeError` (carrying the id when
     it could be read) for anything else."""
     request_id = None
+    known_op = None
     try:
         msg = _unpack(frame)
         if not isinstance(msg, dict):
@@ -298,6 +301,7 @@ def decode_request(frame: bytes) -> Request:
         cls = REQUEST_TYPES.get(op) if isinstance(op, str) else None
         if cls is None:
             raise UnknownOp(f"unknown op {str(op)[:64]!r}", known=sorted(REQUEST_TYPES))
+        known_op = cls.op
         timeout_ms = msg.get("timeout_ms")
         if timeout_ms is not None:
             timeout_ms = _uint(MAX_TIMEOUT_MS)("timeout_ms", timeout_ms)
@@ -312,7 +316,7 @@ def decode_request(frame: bytes) -> Request:
         request.validate()
         return request
     except KvswapError as exc:
-        raise DecodeError(exc, request_id) from None
+        raise DecodeError(exc, request_id, known_op) from None
 
 
 def encode_reply(reply: Reply) -> bytes:

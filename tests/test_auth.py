@@ -3,6 +3,7 @@ a real kvswapd subprocess, real keys, real sockets."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import stat
@@ -16,7 +17,7 @@ import zmq
 import zmq.auth
 
 from kvswap.daemon.keygen import write_keypair
-from kvswap.protocol import CacheLayout, Client, HostKVCache, Timeout, Unavailable
+from kvswap.protocol import AsyncClient, CacheLayout, Client, HostKVCache, Timeout, Unavailable
 
 from support import DaemonProcess, free_port, wait_until
 
@@ -125,6 +126,26 @@ def test_authorized_engine_works_and_others_are_refused(curve_daemon: DaemonProc
     log = curve_daemon.log()
     assert "CURVE is on" in log and "refused a CURVE client" in log
     assert "without authentication" not in log
+
+
+def test_the_async_client_speaks_curve_too(curve_daemon: DaemonProcess, keys: dict[str, Path]) -> None:
+    async def main() -> list[float]:
+        async with AsyncClient(curve_daemon.endpoint, timeout=5, **engine_options(keys)) as c:
+            return list(await asyncio.gather(*(c.ping() for _ in range(8))))
+
+    assert all(rtt > 0 for rtt in asyncio.run(main()))
+
+
+def test_client_refuses_an_incomplete_or_malformed_key_set(keys: dict[str, Path]) -> None:
+    server_key = zmq.auth.load_certificate(str(keys["server_public"]))[0]
+    with pytest.raises(ValueError, match="secret key"):
+        Client("tcp://127.0.0.1:1", curve_server_key=server_key)
+    with pytest.raises(ValueError, match="server's public key"):
+        Client("tcp://127.0.0.1:1", curve_secret_key_file=str(keys["engine"]))
+    with pytest.raises(ValueError, match="40-character"):
+        Client("tcp://127.0.0.1:1", curve_secret_key="short", curve_server_key=server_key)
+    with pytest.raises(ValueError, match="holds no secret key"):
+        Client("tcp://127.0.0.1:1", curve_secret_key_file=str(keys["server_public"]), curve_server_key=server_key)
 
 
 def test_adding_a_key_file_admits_that_client_without_a_restart(curve_daemon: DaemonProcess,

@@ -5,6 +5,8 @@ Skipped where paddle is not installed."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Iterator
 
 import numpy as np
@@ -140,3 +142,32 @@ def test_close_drops_every_view(engine: Engine):
     assert mover.kernels.views
     mover.close()
     assert mover.kernels.views == [] and mover.kernels._hold == []
+
+
+# -- signals: the daemon's SIGTERM drain survives loading paddle ------------------------------
+
+SIGNAL_PROBE = """
+import os, signal, sys, time
+hit = []
+signal.signal(signal.SIGTERM, lambda *a: hit.append(1))
+if sys.argv[1] == "kvswap":
+    from kvswap.daemon.gpu_movers import import_paddle
+    paddle = import_paddle()
+else:
+    import paddle
+paddle.to_tensor([1, 2]) * 2
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.5)
+print("handled" if hit else "missed", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how, survives", [("plain", False), ("kvswap", True)])
+def test_loading_paddle_keeps_the_daemons_sigterm_handler(how, survives):
+    """A plain ``import paddle`` replaces the process's SIGTERM handler with paddle's, which
+    aborts; the daemon loads paddle through import_paddle, which puts its handlers back."""
+    out = subprocess.run([sys.executable, "-c", SIGNAL_PROBE, how], capture_output=True, text=True, timeout=120)
+    if survives:
+        assert out.returncode == 0 and out.stdout.strip() == "handled", out.stderr[-2000:]
+    else:
+        assert out.returncode != 0 and "handled" not in out.stdout
