@@ -246,8 +246,8 @@ def _size(query: dict[str, str], name: str, default: int) -> int:
         value = float(number) * _SIZE_UNITS[unit]
     except ValueError:
         raise RemoteConfigError(f"{name} must be a size such as 4GiB, got {query[name]!r}") from None
-    if value < 0:
-        raise RemoteConfigError(f"{name} must not be negative")
+    if not 0 <= value < float("inf"):  # also refuses nan
+        raise RemoteConfigError(f"{name} must be a non-negative size, got {query[name]!r}")
     return int(value)
 
 

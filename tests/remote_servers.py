@@ -158,6 +158,13 @@ class RedisClusterServers:
         return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
 
     def start(self, timeout: float = 20.0) -> "RedisClusterServers":
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout: float) -> "RedisClusterServers":
         for node in self.nodes:
             node.start()
         bounds = [(0, 5460), (5461, 10922), (10923, 16383)]
@@ -174,7 +181,6 @@ class RedisClusterServers:
                     return False
             return True
         if not wait_until(converged, timeout=timeout, interval=0.1):
-            self.stop()
             raise AssertionError("redis cluster did not converge")
         return self
 

@@ -94,6 +94,7 @@ def test_parse_mooncake_forms():
     ("mooncake://m:1?protocol=udp", "tcp or rdma"),
     ("mooncake://m:1?metadata=etcd-host", "metadata must be"),
     ("mooncake://m:1?segment=lots", "size such as"),
+    ("mooncake://m:1?segment=inf", "non-negative size"),
     ("mooncake://m:1?segment=1MiB", "at least 16MiB"),
     ("mooncake://m:1?slots=0", "positive integer"),
     ("mooncake://m:1/path", "takes no path"),
@@ -347,6 +348,17 @@ def test_small_records_use_the_small_header(remote):
     out = out_buffer(1000)
     assert store.get_into("s", out) is GetStatus.LOADED and bytes(out) == bytes(payload(5, 1000))
     assert store.usage()["bytes"] == record.SMALL_HEADER + 1000
+
+
+def test_large_records_round_trip_in_batches(remote):
+    # 1 MiB records: Redis sends these one command each rather than pipelined.
+    size = 1 << 20
+    store = remote.open().open_store(new_namespace(), {}, size)
+    assert store.put_many([(f"L{i}", payload(30 + i, size)) for i in range(3)]) == [record.ALIGNED_HEADER + size] * 3
+    outs = [out_buffer(size) for _ in range(4)]
+    assert store.get_many(["L0", "L1", "L2", "L3"], outs) == [GetStatus.LOADED] * 3 + [GetStatus.MISS]
+    assert [bytes(o) for o in outs[:3]] == [bytes(payload(30 + i, size)) for i in range(3)]
+    assert store.delete_many(["L0", "L1", "L2"]) == 3
 
 
 @needs_mooncake
