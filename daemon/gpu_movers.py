@@ -361,32 +361,48 @@ class CudaCopier:
         self._pinned[key] = (start, length, owner)
         return True
 
-    def _state(self, slot: np.ndarray, record_bytes: int) -> str:
+    def _range(self, slot: np.ndarray, record_bytes: int) -> int | None:
+        """The start of the pinned range holding the slot, -1 for pageable memory, or None
+        when the slot straddles a pinned range's edge."""
         a, b = slot.ctypes.data, slot.ctypes.data + record_bytes
         for start, length, _ in self._pinned.values():
             if start <= a and b <= start + length:
-                return "pinned"
+                return start
             if a < start + length and start < b:
-                return "straddles"
-        return "pageable"
+                return None
+        return -1
 
-    def _plan(self, slots: Sequence[np.ndarray], record_bytes: int) -> tuple[list[int], list[int]]:
-        """Indices copied directly, and indices that need a bounce buffer."""
+    def _plan(self, slots: Sequence[np.ndarray], record_bytes: int) -> tuple[list[list[int]], list[int]]:
+        """Groups of consecutive slot indices in the same memory (one pinned range, or pageable
+        memory), copied directly; and the indices that need a bounce buffer."""
         for s in slots:
             self.pin(s)
-        direct, bounce = [], []
+        groups: list[list[int]] = []
+        bounce: list[int] = []
+        last: int | None = None  # None: the next direct slot starts a group
         for i, s in enumerate(slots):
-            (bounce if self._state(s, record_bytes) == "straddles" else direct).append(i)
-        return direct, bounce
+            where = self._range(s, record_bytes)
+            if where is None:
+                bounce.append(i)
+            elif where != last:
+                groups.append([i])
+            else:
+                groups[-1].append(i)
+            # A group is consecutive slots: its records are consecutive in device staging.
+            last = where
+        return groups, bounce
 
-    def _runs(self, slots: Sequence[np.ndarray], indices: list[int], record_bytes: int):
-        addresses = [slots[i].ctypes.data for i in indices]
-        if self.two_d:
-            runs = slot_runs(addresses, record_bytes)
-        else:  # one copy per slot, for comparison in benchmarks/gpu_check.py
-            runs = [SlotRun(i, 1, record_bytes) for i in range(len(addresses))]
-        for run in runs:
-            yield indices[run.first], addresses[run.first], run
+    def _runs(self, slots: Sequence[np.ndarray], groups: list[list[int]], record_bytes: int):
+        """(first slot index, its address, run): the copies to issue. A run never mixes pinned
+        and pageable memory, which the driver refuses in one copy."""
+        for indices in groups:
+            addresses = [slots[i].ctypes.data for i in indices]
+            if self.two_d:
+                runs = slot_runs(addresses, record_bytes)
+            else:  # one copy per slot, for comparison in benchmarks/gpu_check.py
+                runs = [SlotRun(i, 1, record_bytes) for i in range(len(addresses))]
+            for run in runs:
+                yield indices[run.first], addresses[run.first], run
 
     def to_host(self, src: int, slots: Sequence[np.ndarray], record_bytes: int) -> None:
         direct, bounce = self._plan(slots, record_bytes)
@@ -900,8 +916,9 @@ def attach_cuda_ipc(layout: CacheLayout, placements: Sequence[Placement], handle
             try:
                 kernels = _make_kernels(name, device, bases, sizes, placements, layout.record_bytes, batch)
                 break
-            except (InvalidLayout, ImportError, CudaError) as exc:
-                reasons.append(f"{name}: {getattr(exc, 'message', exc)}")
+            except Exception as exc:  # noqa: BLE001 - a framework may fail any way; try the next, say why
+                log.warning("GPU backend %s unusable: %s", name, exc)
+                reasons.append(f"{name}: {getattr(exc, 'message', None) or exc}")
         if kernels is None:
             raise InvalidLayout("no usable GPU backend: " + "; ".join(reasons), field="handles[0].kind",
                                 reason="no_gpu_backend")

@@ -54,7 +54,11 @@ class Registration:
 
     @classmethod
     def attach(cls, layout_wire: dict[str, Any], handles: Sequence[dict[str, Any]],
-               regions: Sequence[dict[str, Any]], pid: int, gpu_backend: str | None = None) -> "Registration":
+               regions: Sequence[dict[str, Any]], pid: int, gpu_backend: str | None = None,
+               gpu_staging_bytes: int | None = None) -> "Registration":
+        """Validate and map an engine's cache. ``gpu_backend`` (``auto``, ``paddle``, ``cupy``;
+        default: ``KVSWAP_GPU_BACKEND``, else ``auto``) and ``gpu_staging_bytes`` (device staging
+        per mover) apply to ``cuda_ipc`` handles only."""
         layout = CacheLayout.from_wire(layout_wire)
         placements = cls._placements(layout, handles, regions)
         kinds = [h.get("kind") for h in handles]
@@ -66,9 +70,10 @@ class Registration:
             raise InvalidLayout("all handles of a registration must be of one kind", kinds=sorted(set(kinds)))
         if kinds[0] == "cuda_ipc":
             # Imported here: a daemon serving shared memory never loads the GPU modules.
-            from .gpu_movers import attach_cuda_ipc
+            from .gpu_movers import DEFAULT_DEVICE_STAGING_BYTES, attach_cuda_ipc
 
-            mover = attach_cuda_ipc(layout, placements, handles, gpu_backend)
+            mover = attach_cuda_ipc(layout, placements, handles, gpu_backend,
+                                    gpu_staging_bytes or DEFAULT_DEVICE_STAGING_BYTES)
             return cls(layout, placements, [], mover, pid)
         return cls._attach_shm(layout, placements, handles, pid)
 

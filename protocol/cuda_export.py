@@ -44,6 +44,8 @@ HANDLE_KIND: Final = "cuda_ipc"
 CU_POINTER_ATTRIBUTE_MEMORY_TYPE: Final = 2
 CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: Final = 9
 CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE: Final = 10
+CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: Final = 11
+CU_POINTER_ATTRIBUTE_RANGE_SIZE: Final = 12
 CU_MEMORYTYPE_HOST: Final = 1
 CU_MEMORYTYPE_DEVICE: Final = 2
 #: ``code`` of a :class:`CudaError` raised because no driver library could be loaded.
@@ -205,11 +207,27 @@ class CudaDriver:
         return value.value
 
     def address_range(self, ptr: int) -> tuple[int, int]:
-        """(base, size) of the allocation holding device address ``ptr``."""
+        """(base, size) of the allocation holding device address ``ptr`` (an IPC mapping too)."""
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        self.call("cuMemGetAddressRange_v2", [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
-                                              ctypes.c_uint64], ctypes.byref(base), ctypes.byref(size), ptr)
+        try:
+            self.call("cuMemGetAddressRange_v2", [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                                                  ctypes.c_uint64], ctypes.byref(base), ctypes.byref(size), ptr)
+        except CudaError as first:
+            # The same facts as pointer attributes (CUDA >= 10.2), should a driver not answer
+            # the range query for some kind of mapping.
+            try:
+                start = self.pointer_attribute_u64(ptr, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR)
+                length = self.pointer_attribute_u64(ptr, CU_POINTER_ATTRIBUTE_RANGE_SIZE)
+            except CudaError:
+                raise first from None
+            return start, length
         return base.value, size.value
+
+    def pointer_attribute_u64(self, ptr: int, attribute: int) -> int:
+        value = ctypes.c_uint64()
+        self.call("cuPointerGetAttribute", [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64], ctypes.byref(value),
+                  attribute, ptr)
+        return value.value
 
     def ipc_get_handle(self, base: int) -> bytes:
         handle = CUipcMemHandle()

@@ -5,6 +5,9 @@ registration with a typed error and carrying on."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -74,6 +77,19 @@ def tensors_for(layout: CacheLayout, base: int, gap: int = 0) -> dict[str, Devic
         out[r.name] = DeviceTensor(at, shape, itemsize, True)
         at += layout.num_blocks * r.block_bytes + gap
     return out
+
+
+# -- the engine side stays light ------------------------------------------------------------
+
+
+def test_export_module_imports_no_framework_and_no_driver():
+    """An engine imports kvswap.protocol.cuda_export with numpy alone: no paddle, torch or CuPy,
+    and no CUDA driver until a function is called."""
+    probe = ("import sys, kvswap.protocol, kvswap.protocol.cuda_export; "
+             "print(sorted(m for m in ('paddle', 'torch', 'cupy', 'kvswap.daemon') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 # -- which tensor is which region --------------------------------------------------------------
