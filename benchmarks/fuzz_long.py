@@ -16,7 +16,6 @@ daemon dies.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import tempfile

@@ -226,8 +226,9 @@ def garbage_request(draw) -> Frame:
     names = list(REQUEST_TYPES[op].checks) + ["timeout_ms", "wait", "extra"]
     for name in draw(st.lists(st.sampled_from(names), unique=True, max_size=4)):
         body[name] = draw(garbage)
-    if op == "unregister":
-        body["extra"] = 1  # a valid unregister would drop the session's registration
+    if op in ("unregister", "clear"):
+        # Never valid: the session keeps its registration, and what it stored before the fuzz.
+        body["extra"] = 1
     if op == "register":
         body.setdefault("layout", draw(st.one_of(garbage, st.just(LAYOUT.to_wire()), layout_garbage())))
         body.setdefault("handles", draw(st.one_of(garbage, handles_garbage())))
