@@ -9,9 +9,12 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import stat
 from typing import Final, Sequence
 
 import numpy as np
+
+from kvswap.protocol.errors import Corrupt
 
 FSYNC_MODES: Final = ("none", "data", "strict")
 DIRECT_IO_MODES: Final = ("auto", "on", "off")
@@ -86,12 +89,22 @@ class Disk:
     def read_file(self, path: str, parts: list[memoryview | bytearray]) -> tuple[int, int]:
         """Read into ``parts`` from offset 0. Returns (bytes read, file size); fewer bytes than
         asked only at end of file."""
-        flags = os.O_RDONLY | os.O_CLOEXEC
+        # O_NOFOLLOW and O_NONBLOCK: a symlink planted in the store must not redirect a read,
+        # and a FIFO must not block a read thread forever. Only regular files are records.
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         if self.direct and direct_compatible(parts):
             flags |= _O_DIRECT
-        fd = os.open(path, flags)
         try:
-            size = os.fstat(fd).st_size
+            fd = os.open(path, flags)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise Corrupt("a symlink where a record should be") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise Corrupt("not a regular file where a record should be")
+            size = st.st_size
             want = sum(len(p) for p in parts)
             done = os.preadv(fd, parts, 0)
             while 0 < done < want and done < size:  # a short read is not the end of the file

@@ -244,13 +244,13 @@ class FileStore(Store):
         self.index.pin(name)
         try:
             try:
-                n, size = self.disk.read_file(path, [header_buf, out])
-            except FileNotFoundError:
-                self.index.remove(name)
-                return GetStatus.MISS
-            except OSError as exc:
-                raise _io_error(exc, "read a record", path) from None
-            try:
+                try:
+                    n, size = self.disk.read_file(path, [header_buf, out])
+                except FileNotFoundError:
+                    self.index.remove(name)
+                    return GetStatus.MISS
+                except OSError as exc:
+                    raise _io_error(exc, "read a record", path) from None
                 if n != self.file_bytes or size != self.file_bytes:
                     raise Corrupt("record has the wrong size", size=size, expected=self.file_bytes)
                 header = record.decode_header(memoryview(header_buf))

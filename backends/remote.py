@@ -288,6 +288,10 @@ def open_remote(url: str, **options: Any) -> Backend:
 # -- health -----------------------------------------------------------------------------------
 
 
+#: How long an operation waits, at most per wake-up, for a probe another thread is running.
+PROBE_WAIT_S = 1.0
+
+
 class HealthGate:
     """Whether a remote store is reachable, and when to try it again.
 
@@ -298,7 +302,8 @@ class HealthGate:
     that fails doubles the backoff, up to ``backoff_max_s``.
 
     Before its first successful probe the tier has never been reached: ``healthy`` is False and
-    the first operation probes (connects) at once.
+    the first operation probes (connects) at once; operations arriving meanwhile wait for that
+    first connect instead of failing.
     """
 
     def __init__(self, name: str, probe: Callable[[], None], *, backoff_initial_s: float = 0.5,
@@ -310,7 +315,9 @@ class HealthGate:
         self._clock = clock
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
-        self._lock = threading.Lock()
+        # A condition, so operations that arrive while a probe runs wait for its outcome
+        # instead of failing as if the store were down.
+        self._lock = threading.Condition()
         self._healthy = False
         self._ever_connected = False
         self._probing = False
@@ -347,10 +354,17 @@ class HealthGate:
         if self._healthy:
             return
         with self._lock:
+            # The very first connect: wait for it rather than fail as if the store were down.
+            # Once the store has been reached, a re-probe after an outage does not hold
+            # callers up: they fail fast until it succeeds.
+            while self._probing and not self._ever_connected:
+                self._lock.wait(PROBE_WAIT_S)
             if self._healthy:
                 return
+            if self._probing:
+                raise self._unavailable(max(0.0, self._next_probe_at - self._clock()))
             now = self._clock()
-            if self._probing or now < self._next_probe_at:
+            if now < self._next_probe_at:
                 raise self._unavailable(max(0.0, self._next_probe_at - now))
             self._probing = True
         self._run_probe()
@@ -390,6 +404,7 @@ class HealthGate:
             message = _describe(exc)
             with self._lock:
                 self._probing = False
+                self._lock.notify_all()
                 self.probes += 1
                 self.failures += 1
                 self.last_error = message
@@ -405,6 +420,7 @@ class HealthGate:
             raise error from None
         with self._lock:
             self._probing = False
+            self._lock.notify_all()
             self.probes += 1
             self._healthy = True
             self._streak = 0

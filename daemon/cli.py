@@ -44,9 +44,9 @@ def setup_logging(level: str, fmt: str = "text") -> None:
 @click.command(context_settings={"auto_envvar_prefix": "KVSWAP", "show_default": True,
                                  "help_option_names": ["-h", "--help"]})
 @click.option("--host", default=_DEFAULTS.host, help="Address to bind the control socket and metrics endpoint to.")
-@click.option("--curve-secret-key-file", default=_DEFAULTS.curve_secret_key_file,
+@click.option("--curve-secret-key-file", default=_DEFAULTS.curve_secret_key_file, show_default=False,
               help="CURVE on the control socket: the daemon's secret key file (kvswap keygen). Needs --authorized-keys.")
-@click.option("--authorized-keys", default=_DEFAULTS.authorized_keys,
+@click.option("--authorized-keys", default=_DEFAULTS.authorized_keys, show_default=False,
               help="CURVE: directory of the public key files (*.key) of the clients allowed to connect.")
 @click.option("--cache-queue-port", type=click.IntRange(0, 65535), default=_DEFAULTS.cache_queue_port,
               help="The engine's cache-queue port: the ZMQ socket engines send commands to (0 = any free port).")
@@ -66,6 +66,19 @@ def setup_logging(level: str, fmt: str = "text") -> None:
               help="How often the evicting daemon re-lists a shared directory (0 = only at start-up).")
 @click.option("--maintenance-interval-s", type=click.FloatRange(0.01), default=_DEFAULTS.maintenance_interval_s,
               help="How often background eviction checks the watermarks.")
+@click.option("--host-tier-bytes", type=BYTES, default=_DEFAULTS.host_tier_bytes,
+              help="RAM for the host tier, least recently used out (0 = no host tier).")
+@click.option("--remote-url", default=_DEFAULTS.remote_url, show_default=False,
+              help="Remote tier: redis://HOST:PORT/DB, redis+cluster://HOST:PORT or "
+                   "mooncake://MASTER:PORT?metadata=URL&protocol=tcp|rdma (empty = none).")
+@click.option("--store-locations", default=_DEFAULTS.store_locations,
+              help="Comma list of tiers swap_out writes to (host, file, remote). [default: every configured tier]")
+@click.option("--retrieve-locations", default=_DEFAULTS.retrieve_locations,
+              help="Comma list of tiers swap_in and lookup search, in order. [default: all, host, file, remote]")
+@click.option("--promote-to-host/--no-promote-to-host", default=_DEFAULTS.promote_to_host,
+              help="Copy records found in a lower tier into the host tier.")
+@click.option("--remote-check-interval-s", type=click.FloatRange(0.1), default=_DEFAULTS.remote_check_interval_s,
+              help="How often the remote tier's health is probed in the background.")
 @click.option("--write-threads", type=click.IntRange(1, 256), default=_DEFAULTS.write_threads,
               help="Threads writing records.")
 @click.option("--read-threads", type=click.IntRange(1, 256), default=_DEFAULTS.read_threads,

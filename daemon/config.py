@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .tiers import Locations
 
 from kvswap.backends.file_store import DIRECT_IO_MODES, FSYNC_MODES
 
@@ -50,6 +53,19 @@ class Config:
     storage_rescan_interval_s: float = 0.0
     #: How often background eviction checks the watermarks.
     maintenance_interval_s: float = 1.0
+    #: Bytes of RAM for the host tier (0: no host tier).
+    host_tier_bytes: int = 0
+    #: The remote tier: ``redis://HOST:PORT/DB``, ``redis+cluster://HOST:PORT`` or
+    #: ``mooncake://MASTER:PORT?metadata=...&protocol=tcp|rdma`` ("" : no remote tier).
+    remote_url: str = ""
+    #: Comma list of tiers swap_out writes to ("": every configured tier).
+    store_locations: str = ""
+    #: Comma list of tiers swap_in and lookup search, in order ("": all, in tier order).
+    retrieve_locations: str = ""
+    #: Copy a record found in a lower tier into the host tier (when host is retrieved from).
+    promote_to_host: bool = True
+    #: How often an unhealthy (or healthy) remote tier is probed in the background.
+    remote_check_interval_s: float = 2.0
     #: Threads writing records. Writes of separate files overlap well on SSDs and network
     #: file systems (four threads measured 4.5x one thread here with fsync on).
     write_threads: int = 4
@@ -95,6 +111,13 @@ class Config:
             raise ValueError("storage limits must be >= 0")
         if self.maintenance_interval_s <= 0:
             raise ValueError("maintenance_interval_s must be positive")
+        if self.host_tier_bytes < 0:
+            raise ValueError("host_tier_bytes must be >= 0")
+        if self.remote_url:
+            from kvswap.backends.remote import parse_remote_url
+
+            parse_remote_url(self.remote_url)  # RemoteConfigError is a ValueError naming the valid forms
+        self.locations()
         if self.default_timeout_ms < 1:
             raise ValueError("default_timeout_ms must be positive")
         if bool(self.curve_secret_key_file) != bool(self.authorized_keys):
@@ -106,6 +129,17 @@ class Config:
     @property
     def curve(self) -> bool:
         return bool(self.curve_secret_key_file)
+
+    def configured_tiers(self) -> list[str]:
+        return [t for t, on in (("host", self.host_tier_bytes > 0), ("file", True), ("remote", bool(self.remote_url)))
+                if on]
+
+    def locations(self) -> "Locations":
+        """Where swaps store and retrieve; raises ``ValueError`` for a bad combination."""
+        from .tiers import Locations
+
+        return Locations.resolve(self.configured_tiers(), self.store_locations, self.retrieve_locations,
+                                 self.promote_to_host)
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -47,6 +47,15 @@ class Metrics:
                                   "namespace.", ["tier"], registry=r)
         self.staging_slots = Gauge("kvswap_staging_slots", "Staging slots, by pool and state.", ["pool", "state"],
                                    registry=r)
+        self.tier_ops = Counter("kvswap_tier_ops", "Record operations per tier: op get|put|promote; result "
+                                "hit|miss|corrupt|unavailable|error for gets, ok or an error code for puts.",
+                                ["tier", "op", "result"], registry=r)
+        self.tier_latency = Histogram("kvswap_tier_op_duration_seconds", "Time of one record operation, per tier.",
+                                      ["tier", "op"], buckets=LATENCY_BUCKETS, registry=r)
+        self.tier_bytes = Counter("kvswap_tier_bytes", "Payload bytes read from or written to each tier.",
+                                  ["tier", "direction"], registry=r)
+        self.tier_healthy = Gauge("kvswap_tier_healthy", "1 while the tier is reachable (local tiers always are).",
+                                  ["tier"], registry=r)
         info = Gauge("kvswap_build_info", "Always 1; labels say which build runs.", ["version"], registry=r)
         info.labels(version=__version__).set(1)
 
@@ -93,9 +102,10 @@ class StoreCollector:
         evictions = CounterMetricFamily("kvswap_evictions", "Records evicted, by reason.", labels=["tier", "reason"])
         for store in self.stores():
             stats_of = getattr(store, "stats", None)
-            if stats_of is None:
-                continue
-            stats = stats_of()
+            if stats_of is not None:
+                stats = stats_of()
+            else:  # host and remote stores keep plain attributes
+                stats = {"evicted_capacity": getattr(store, "evictions", 0)}
             if "free_bytes" not in stats and hasattr(store, "free_bytes"):
                 stats["free_bytes"] = store.free_bytes() or 0
             for key, family in gauges.items():

@@ -12,7 +12,6 @@ import asyncio
 import errno
 import ipaddress
 import logging
-import os
 import signal
 import sys
 import threading
@@ -23,7 +22,6 @@ import zmq
 import zmq.asyncio
 
 from kvswap import __version__
-from kvswap.backends.file_store import Capacity, FileBackend
 from kvswap.protocol import messages as m
 from kvswap.protocol.errors import Busy, Internal, InvalidLayout, KvswapError, Timeout, Unavailable
 from kvswap.protocol.layout import CacheLayout
@@ -33,6 +31,7 @@ from .config import Config
 from .curve import CurveError, CurveServer
 from .metrics import HealthServer, Metrics
 from .swapper import Deadline, Swapper
+from .tiers import open_backends
 
 log = logging.getLogger("kvswap.daemon")
 
@@ -50,11 +49,10 @@ class Daemon:
         config.validate()
         self.config = config
         self.metrics = Metrics()
-        self.backend = FileBackend(
-            config.storage_dir, fsync=config.fsync, direct_io=config.direct_io,
-            capacity=Capacity(config.storage_max_bytes, config.storage_min_free_bytes),
-            rescan_interval_s=config.storage_rescan_interval_s)
-        self.swapper = Swapper(config, self.backend, self.metrics)
+        self.backends = open_backends(config)
+        #: The file tier: the daemon always has one; its directory is the daemon's storage dir.
+        self.backend = self.backends["file"]
+        self.swapper = Swapper(config, self.backends, config.locations(), self.metrics)
         self.health = HealthServer(self.metrics, ready=lambda: self.serving)
         self.serving = False
         self.should_exit = False
@@ -124,6 +122,10 @@ class Daemon:
         self.serving = True
         log.info("kvswapd %s serving tcp://%s:%d, metrics http://%s:%d/metrics, storage %s (fsync=%s)",
                  __version__, cfg.host, self.control_port, cfg.host, self.health.port, self.backend.root, cfg.fsync)
+        locations = self.swapper.locations
+        log.info("tiers: %s; store to %s; retrieve from %s%s", ", ".join(
+            getattr(b, "url", None) or (b.root if hasattr(b, "root") else name) for name, b in self.backends.items()),
+            ",".join(locations.store), ",".join(locations.retrieve), "; promote to host" if locations.promote else "")
 
     def request_exit(self) -> None:
         self.should_exit = True

@@ -35,6 +35,7 @@ from .config import Config
 from .metrics import Metrics
 from .registration import Registration
 from .staging import Slot, StagingPool
+from .tiers import Locations, NamespaceTiers
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,13 +72,16 @@ class InflightWrite:
 
 
 class Swapper:
-    def __init__(self, config: Config, backend: Backend, metrics: Metrics) -> None:
+    def __init__(self, config: Config, backends: dict[str, Backend], locations: Locations, metrics: Metrics) -> None:
         self.config = config
-        self.backend = backend
+        self.backends = backends
+        self.locations = locations
         self.metrics = metrics
         self.registration: Registration | None = None
-        self.store: Store | None = None
-        self._stores: dict[str, Store] = {}
+        #: The registered namespace's stores, one per tier (kept after unregister so a
+        #: restarting engine of the same layout finds its index warm).
+        self.tiers: NamespaceTiers | None = None
+        self._namespaces: dict[str, NamespaceTiers] = {}
         self._inflight: dict[str, InflightWrite] = {}
         self._write_tasks: set[asyncio.Task] = set()
         self._engine_ops = 0  # requests now touching the registered engine memory
@@ -89,6 +93,8 @@ class Swapper:
         self._read_pool: ThreadPoolExecutor | None = None
         self._copy_pool: ThreadPoolExecutor | None = None
         self._maintenance_pool: ThreadPoolExecutor | None = None
+        self._health_pool: ThreadPoolExecutor | None = None
+        self._last_health_check = 0.0
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -99,21 +105,28 @@ class Swapper:
         self._copy_pool = ThreadPoolExecutor(1, thread_name_prefix="kvswap-copy")
         # Scans and eviction can take seconds on big directories; they get their own thread.
         self._maintenance_pool = ThreadPoolExecutor(1, thread_name_prefix="kvswap-maintain")
-        self.metrics.watch_stores(lambda: list(self._stores.values()))
+        # Remote health probes can block for a connect timeout; they must not hold up eviction.
+        self._health_pool = ThreadPoolExecutor(1, thread_name_prefix="kvswap-health")
+        self.metrics.watch_stores(lambda: [s for ns in self._namespaces.values() for s in ns])
         self._engine_idle = asyncio.Event()
         self._engine_idle.set()
         self._read_slot_freed = asyncio.Condition()
-        tier = self.backend.tier
-        self.metrics.stored_records.labels(tier=tier).set_function(lambda: self._usage("records"))
-        self.metrics.stored_bytes.labels(tier=tier).set_function(lambda: self._usage("bytes"))
+        for tier, backend in self.backends.items():
+            self.metrics.stored_records.labels(tier=tier).set_function(lambda t=tier: self._usage(t, "records"))
+            self.metrics.stored_bytes.labels(tier=tier).set_function(lambda t=tier: self._usage(t, "bytes"))
+            healthy = getattr(backend, "healthy", None)
+            self.metrics.tier_healthy.labels(tier=tier).set_function(
+                (lambda b=backend: float(b.healthy)) if healthy is not None else (lambda: 1.0))
 
     async def stop(self) -> None:
         await self.release_registration("shutdown")
-        for pool in (self._copy_pool, self._read_pool, self._write_pool, self._maintenance_pool):
+        for pool in (self._copy_pool, self._read_pool, self._write_pool, self._maintenance_pool, self._health_pool):
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=False)
-        for store in self._stores.values():
-            store.close()
+        for tiers in self._namespaces.values():
+            tiers.close()
+        for backend in self.backends.values():
+            backend.close()
 
     @property
     def pending_writes(self) -> int:
@@ -129,29 +142,39 @@ class Swapper:
                        pid: int) -> dict[str, Any]:
         registration = await self._run(self._copy_pool, Registration.attach, layout, handles, regions, pid)
         try:
-            store = self._stores.get(registration.namespace)
-            if store is None:
-                store = await self._run(self._write_pool, self.backend.open_store, registration.namespace,
-                                        registration.layout.to_wire(), registration.record_bytes)
-                self._stores[registration.namespace] = store
-                self._start_scan(store)
+            tiers = self._namespaces.get(registration.namespace)
+            if tiers is None:
+                tiers = await self._run(self._write_pool, self._open_namespace, registration)
+                self._namespaces[registration.namespace] = tiers
+                for store in tiers:
+                    self._start_scan(store)
             await self._make_staging(registration.record_bytes)
+            pin = getattr(registration.mover, "pin_host", None)
+            if pin is not None:  # GPU movers: page-lock staging now, not on the first swap
+                for pool in (self._write_staging, self._read_staging):
+                    await self._run(self._copy_pool, pin, pool.arena)  # type: ignore[union-attr]
         except BaseException:
             registration.close()
             raise
         await self.release_registration("replaced")
-        self.registration, self.store = registration, store
-        # One namespace at a time: another layout's store gives up its eviction lock (so a
-        # daemon still registered for it can take over) and its metrics. Writes still in
+        self.registration, self.tiers = registration, tiers
+        # One namespace at a time: another layout's stores give up their eviction lock (so a
+        # daemon still registered for it can take over) and their metrics. Writes still in
         # flight keep their own reference and finish.
-        for namespace in [ns for ns in self._stores if ns != registration.namespace]:
-            self._stores.pop(namespace).close()
+        for namespace in [ns for ns in self._namespaces if ns != registration.namespace]:
+            self._namespaces.pop(namespace).close()
         self.metrics.registered.set(1)
         self.metrics.registrations.labels(event="registered").inc()
         log.info("registered namespace %s for pid %d: %d regions, %d blocks of %d bytes", registration.namespace,
                  pid, len(registration.placements), registration.layout.num_blocks, registration.record_bytes)
         return {"namespace": registration.namespace, "record_bytes": registration.record_bytes,
                 "write_slots": self._write_staging.capacity if self._write_staging else 0}
+
+    def _open_namespace(self, registration: Registration) -> NamespaceTiers:
+        stores = {tier: backend.open_store(registration.namespace, registration.layout.to_wire(),
+                                           registration.record_bytes)
+                  for tier, backend in self.backends.items()}
+        return NamespaceTiers(stores, self.locations, self.metrics)
 
     def _start_scan(self, store: Store) -> None:
         scan = getattr(store, "scan", None)
@@ -167,11 +190,21 @@ class Swapper:
         asyncio.ensure_future(self._run(self._maintenance_pool, scan)).add_done_callback(done)
 
     async def maintain(self) -> None:
-        """Background storage upkeep (eviction, leadership, rescans) for every open store."""
-        for store in list(self._stores.values()):
-            maintain = getattr(store, "maintain", None)
-            if maintain is not None:
-                await self._run(self._maintenance_pool, maintain)
+        """Background storage upkeep (eviction, leadership, rescans) for every open store, and
+        a health probe of remote tiers every ``remote_check_interval_s``: an unhealthy tier
+        recovers even when no request touches it."""
+        now = time.monotonic()
+        if now - self._last_health_check >= self.config.remote_check_interval_s:
+            self._last_health_check = now
+            for backend in self.backends.values():
+                check = getattr(backend, "check", None)
+                if check is not None and hasattr(backend, "healthy"):
+                    asyncio.ensure_future(self._run(self._health_pool, check)).add_done_callback(_log_failure)
+        for tiers in list(self._namespaces.values()):
+            for store in tiers:
+                maintain = getattr(store, "maintain", None)
+                if maintain is not None:
+                    await self._run(self._maintenance_pool, maintain)
 
     async def _make_staging(self, record_bytes: int) -> None:
         if self._write_staging is None or self._write_staging.record_bytes != record_bytes:
@@ -180,6 +213,7 @@ class Swapper:
                                                   self.config.write_staging_bytes, "write")
             self._read_staging = await self._run(self._copy_pool, StagingPool, record_bytes,
                                                  self.config.read_staging_bytes, "read")
+            self._register_with_remote(self._write_staging, self._read_staging)
             self.metrics.staging_slots.clear()
             for pool in (self._write_staging, self._read_staging):
                 self.metrics.staging_slots.labels(pool=pool.name, state="free").set_function(
@@ -187,8 +221,22 @@ class Swapper:
                 self.metrics.staging_slots.labels(pool=pool.name, state="used").set_function(
                     lambda p=pool: p.in_use)
 
-    def _usage(self, what: str) -> float:
-        return self.store.usage()[what] if self.store is not None else 0
+    def _register_with_remote(self, *pools: StagingPool) -> None:
+        """Tiers that can transfer straight from registered memory (Mooncake) get the staging
+        arenas, so records move without an extra copy."""
+        for backend in self.backends.values():
+            register = getattr(backend, "register_buffer", None)
+            if register is None:
+                continue
+            for pool in pools:
+                try:
+                    register(pool.arena)
+                except Exception as exc:  # zero-copy is an optimisation; copying still works
+                    log.warning("cannot register staging with the %s tier: %s", backend.tier, exc)
+
+    def _usage(self, tier: str, what: str) -> float:
+        store = self.tiers.stores.get(tier) if self.tiers is not None else None
+        return store.usage()[what] if store is not None else 0
 
     async def release_registration(self, reason: str) -> bool:
         """Stop using the engine's memory: wait for requests copying from or into it, then unmap.
@@ -197,18 +245,19 @@ class Swapper:
         if registration is None:
             return False
         self.registration = None
-        self.metrics.registered.set(0)
         assert self._engine_idle is not None
         await self._engine_idle.wait()
         registration.close()
+        # Reported after the unmap, so a watcher that sees 0 knows the memory is let go.
+        self.metrics.registered.set(0)
         self.metrics.registrations.labels(event=reason).inc()
         log.info("released registration of namespace %s (pid %d): %s", registration.namespace, registration.pid, reason)
         return True
 
-    def _require(self) -> tuple[Registration, Store]:
-        if self.registration is None or self.store is None:
+    def _require(self) -> tuple[Registration, NamespaceTiers]:
+        if self.registration is None or self.tiers is None:
             raise NotRegistered("no cache is registered; send register first")
-        return self.registration, self.store
+        return self.registration, self.tiers
 
     async def _using_engine(self, op: Callable[[], Awaitable[T]]) -> T:
         """Run ``op`` while counting it as a user of the engine's memory."""
@@ -232,7 +281,7 @@ class Swapper:
 
     async def swap_out(self, block_ids: Sequence[int], keys: Sequence[str], wait: str, deadline: Deadline,
                        partial: bool = False) -> dict[str, Any]:
-        registration, store = self._require()
+        registration, tiers = self._require()
         registration.check_blocks(block_ids)
         status: list[str] = ["exists"] * len(keys)
         todo: list[int] = []
@@ -243,7 +292,7 @@ class Swapper:
             seen.add(key)
             todo.append(i)
         if todo:
-            todo = await self._run(self._read_pool, _not_stored, store, keys, todo)
+            todo = await self._run(self._read_pool, _not_stored, tiers, keys, todo)
         slots = self._take_write_slots(len(todo), partial)
         for i in todo[len(slots):]:
             status[i] = "skipped"  # partial: no staging left for these; the engine may retry them
@@ -257,7 +306,7 @@ class Swapper:
 
         def submit(n: int) -> Future:
             key, entry = entries[n]
-            return self._write_pool.submit(store.put, key, memoryview(entry.slot.view))  # type: ignore[union-attr]
+            return self._write_pool.submit(tiers.write, key, memoryview(entry.slot.view))  # type: ignore[union-attr]
 
         async def copy_out() -> tuple[list[Future], BaseException | None]:
             return await self._run(self._copy_pool, _gather_and_submit, registration,
@@ -338,37 +387,59 @@ class Swapper:
     # -- swap_in ----------------------------------------------------------------------------------
 
     async def swap_in(self, keys: Sequence[str], block_ids: Sequence[int], deadline: Deadline) -> dict[str, Any]:
-        registration, store = self._require()
+        registration, tiers = self._require()
         registration.check_blocks(block_ids)
         status: list[str] = [GetStatus.MISS.value] * len(keys)
         pool = self._read_staging
         assert pool is not None
+        # Waves of at most half the read staging, so concurrent swap_ins share it; each wave
+        # takes its slots all at once (no two requests can each hold part and wait for more).
+        wave = max(1, min(READ_WAVE, pool.capacity // 2))
 
-        async def load_one(i: int) -> None:
-            entry = self._inflight.get(keys[i])
-            if entry is not None:
-                # The write is still running: serve its staged bytes, pinned while we copy.
-                slot = entry.slot.retain()
-                try:
+        async def load(indices: list[int]) -> None:
+            slots: list[Slot] = []
+            try:
+                # Records still being written come from their staging slot; the rest are read
+                # from the tiers into read slots, in parallel.
+                sources: dict[int, Slot] = {}
+                to_read = []
+                for i in indices:
+                    entry = self._inflight.get(keys[i])
+                    if entry is None:
+                        to_read.append(i)
+                        continue
+                    slots.append(entry.slot.retain())
                     try:
                         await entry.copied
+                        sources[i] = entry.slot
                     except KvswapError:
-                        return  # its copy was abandoned: a miss
-                    ok = await self._run(self._copy_pool, _scatter, registration, block_ids[i], slot.view, deadline)
-                finally:
-                    slot.release()
-                status[i] = "loaded" if ok else "error"
-                return
-            slot = await self._take_read_slot(pool)
-            try:
-                status[i] = await self._run(self._read_pool, _read_and_scatter, store, registration, keys[i],
-                                            block_ids[i], slot.view, deadline)
+                        pass  # its copy was abandoned: a miss
+                slots_read = await self._take_read_slots(pool, len(to_read))
+                slots.extend(slots_read)
+                results = await asyncio.gather(*(
+                    self._run(self._read_pool, _read_record, tiers, keys[i], slot.view)
+                    for i, slot in zip(to_read, slots_read)))
+                for i, slot, result in zip(to_read, slots_read, results):
+                    status[i] = result
+                    if result == "loaded":
+                        sources[i] = slot
+                # One scatter for the wave: GPU movers batch it into one upload and one kernel.
+                order = sorted(sources)
+                ok = await self._run(self._copy_pool, _scatter_many, registration, [block_ids[i] for i in order],
+                                     [sources[i].view for i in order], deadline)
+                for i in order:
+                    status[i] = "loaded" if ok else "error"
             finally:
-                slot.release()
+                for slot in slots:
+                    slot.release()
                 async with self._read_slot_freed:  # type: ignore[union-attr]
-                    self._read_slot_freed.notify()  # type: ignore[union-attr]
+                    self._read_slot_freed.notify_all()  # type: ignore[union-attr]
 
-        await self._using_engine(lambda: asyncio.gather(*(load_one(i) for i in range(len(keys)))))
+        async def load_all() -> None:
+            for start in range(0, len(keys), wave):
+                await load(list(range(start, min(start + wave, len(keys)))))
+
+        await self._using_engine(load_all)
         loaded = 0
         for s in status:
             if s != "loaded":
@@ -376,55 +447,57 @@ class Swapper:
             loaded += 1
         for s in status:
             self.metrics.blocks.labels(op="swap_in", status=s).inc()
-            if s == "corrupt":
-                self.metrics.corrupt.labels(tier=store.tier).inc()
         self.metrics.bytes.labels(direction="in").inc(status.count("loaded") * registration.record_bytes)
         return {"loaded": loaded, "status": status}
 
-    async def _take_read_slot(self, pool: StagingPool) -> Slot:
+    async def _take_read_slots(self, pool: StagingPool, count: int) -> list[Slot]:
+        if count == 0:
+            return []
         assert self._read_slot_freed is not None
         async with self._read_slot_freed:
             while True:
-                taken = pool.try_take(1)
-                if taken:
-                    return taken[0]
+                taken = pool.try_take(count)
+                if taken is not None:
+                    return taken
                 await self._read_slot_freed.wait()
 
     # -- lookup, delete, clear, flush ---------------------------------------------------------------
 
     async def lookup(self, keys: Sequence[str]) -> dict[str, Any]:
-        _, store = self._require()
+        _, tiers = self._require()
         # In-flight writes count as stored: a swap_in after this lookup will find them. The
         # in-memory answer covers the common case on the loop itself (no thread hop); only a
-        # key the index does not know goes to the directory, on a read thread.
-        hits = store.cached_prefix(keys, self._inflight)
+        # key no tier's index knows goes to the tiers themselves, on a read thread.
+        hits = tiers.cached_prefix(keys, self._inflight)
         if hits < len(keys):
             inflight = set(self._inflight)
-            hits += await self._run(self._read_pool, _prefix, store, keys[hits:], inflight)
+            hits += await self._run(self._read_pool, tiers.prefix, keys[hits:], inflight)
         self.metrics.lookup_keys.labels(result="hit").inc(hits)
         self.metrics.lookup_keys.labels(result="miss").inc(len(keys) - hits)
         return {"hits": hits}
 
     async def delete(self, keys: Sequence[str]) -> dict[str, Any]:
-        _, store = self._require()
+        _, tiers = self._require()
         # A delete must not be undone by a write still landing: wait for those first.
         pending = [self._inflight[k].done for k in keys if k in self._inflight]
         if pending:
             await asyncio.gather(*pending)
-        deleted = await self._run(self._write_pool, store.delete_many, list(keys))
+        deleted = await self._run(self._write_pool, _in_every_tier, tiers, lambda s: s.delete_many(list(keys)))
         return {"deleted": deleted}
 
     async def clear(self) -> dict[str, Any]:
-        _, store = self._require()
+        _, tiers = self._require()
         await self.flush()
-        deleted = await self._run(self._write_pool, store.clear)
+        deleted = await self._run(self._write_pool, _in_every_tier, tiers, lambda s: s.clear())
         return {"deleted": deleted}
 
     async def flush(self) -> dict[str, Any]:
         """Wait until every record copied so far has been written (or failed)."""
         tasks = list(self._write_tasks)
         if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # wait(), not gather(): a caller that gives up (a timed-out flush, the drain) must
+            # not cancel the writes, whose slots a write thread may still be reading.
+            await asyncio.wait(tasks)
         return {"flushed": len(tasks)}
 
     def stats(self) -> dict[str, Any]:
@@ -436,9 +509,10 @@ class Swapper:
         }
         if registration is not None:
             out["registration"] = registration.describe()
-        if self.store is not None:
-            stats = getattr(self.store, "stats", self.store.usage)
-            out["tiers"] = {self.store.tier: stats()}
+        if self.tiers is not None:
+            out["tiers"] = {tier: _tier_stats(store, self.backends[tier]) for tier, store in self.tiers.stores.items()}
+            out["locations"] = {"store": list(self.locations.store), "retrieve": list(self.locations.retrieve),
+                                "promote_to_host": self.locations.promote}
         for pool in (self._write_staging, self._read_staging):
             if pool is not None:
                 out[f"{pool.name}_staging"] = {"slots": pool.capacity, "free": pool.free,
@@ -449,14 +523,47 @@ class Swapper:
 # -- thread-side work: pure byte movement, no daemon state --------------------------------------
 
 
-def _not_stored(store: Store, keys: Sequence[str], todo: list[int]) -> list[int]:
-    return [i for i in todo if not store.contains(keys[i])]
+def _not_stored(tiers: NamespaceTiers, keys: Sequence[str], todo: list[int]) -> list[int]:
+    return [i for i in todo if not tiers.stored_everywhere(keys[i])]
+
+
+def _in_every_tier(tiers: NamespaceTiers, op: Callable[[Store], int]) -> int:
+    """Run a delete or clear on every tier; the count is the largest any tier reports (the
+    same record in two tiers is one record to the engine). An unreachable tier is skipped."""
+    counts = [0]
+    for store in tiers:
+        try:
+            counts.append(op(store))
+        except KvswapError as exc:
+            log.warning("%s tier: %s", store.tier, exc.message)
+    return max(counts)
+
+
+def _tier_stats(store: Store, backend: Backend) -> dict[str, Any]:
+    stats = getattr(store, "stats", None)
+    out: dict[str, Any] = dict(stats() if stats is not None else store.usage())
+    for name in ("healthy", "failures", "reconnects", "corrupt", "hits", "misses", "evictions"):
+        value = getattr(store, name, None)
+        if isinstance(value, (bool, int)) and name not in out:
+            out[name] = value
+    if hasattr(backend, "capacity_bytes"):
+        out["capacity_bytes"] = backend.capacity_bytes
+    if hasattr(backend, "url"):
+        out["url"] = backend.url
+    return out
+
+
+def _log_failure(fut: "asyncio.Future") -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("background task failed: %s", fut.exception())
 
 
 #: Blocks gathered per mover call before their writes are submitted: small enough that the
 #: first writes start while later blocks are still being copied, large enough for GPU movers
 #: to batch their device copies.
 GATHER_CHUNK = 4
+#: Keys of one swap_in read and scattered together (bounded further by the read staging).
+READ_WAVE = 64
 
 
 def _gather_and_submit(registration: Registration, block_ids: list[int], slots: list[Any], deadline: Deadline,
@@ -478,24 +585,12 @@ def _gather_and_submit(registration: Registration, block_ids: list[int], slots: 
     return writes, None
 
 
-def _scatter(registration: Registration, block_id: int, slot: Any, deadline: Deadline) -> bool:
-    return registration.mover.scatter_blocks([block_id], [slot], deadline.live)
+def _scatter_many(registration: Registration, block_ids: list[int], slots: list[Any], deadline: Deadline) -> bool:
+    if not block_ids:
+        return True
+    return registration.mover.scatter_blocks(block_ids, slots, deadline.live)
 
 
-def _read_and_scatter(store: Store, registration: Registration, key: str, block_id: int, slot: Any,
-                      deadline: Deadline) -> str:
-    try:
-        result = store.get_into(key, memoryview(slot))
-    except KvswapError as exc:
-        log.warning("read of %s failed: %s", key, exc.message)
-        return "error"
-    if result is not GetStatus.LOADED:
-        return result.value
-    return "loaded" if _scatter(registration, block_id, slot, deadline) else "error"
-
-
-def _prefix(store: Store, keys: Sequence[str], inflight: set[str]) -> int:
-    for i, key in enumerate(keys):
-        if key not in inflight and not store.contains(key):
-            return i
-    return len(keys)
+def _read_record(tiers: NamespaceTiers, key: str, slot: Any) -> str:
+    status, _ = tiers.read(key, memoryview(slot))
+    return status

@@ -238,3 +238,21 @@ def test_concurrent_writers_never_pass_the_cap(tmp_path) -> None:
     assert peak["bytes"] <= 8 * FILE
     assert files_on_disk(store) <= 8 * FILE
     assert store.index.bytes == files_on_disk(store)
+
+
+def test_a_planted_symlink_or_fifo_is_never_read_through(tmp_path) -> None:
+    store = open_store(tmp_path)
+    target = tmp_path / "secret.txt"
+    target.write_bytes(b"not yours")
+    link_path = store.path_of("linked")[1]
+    os.makedirs(os.path.dirname(link_path), exist_ok=True)
+    os.symlink(target, link_path)
+    fifo_path = store.path_of("fifo")[1]
+    os.makedirs(os.path.dirname(fifo_path), exist_ok=True)
+    os.mkfifo(fifo_path)
+    out = memoryview(bytearray(RECORD))
+    assert store.get_into("linked", out) is GetStatus.CORRUPT
+    assert store.get_into("fifo", out) is GetStatus.CORRUPT  # returns: O_NONBLOCK, not a hang
+    assert not os.path.lexists(link_path) and not os.path.exists(fifo_path)
+    assert target.read_bytes() == b"not yours"
+    assert store.counters["corrupt"] == 2

@@ -168,7 +168,33 @@ def test_gate_backoff_doubles_to_its_cap_and_resets_on_success():
     assert gate.reconnects == 1
 
 
-def test_gate_lets_one_thread_probe_while_the_others_fail_fast():
+def test_gate_lets_one_thread_reprobe_while_the_others_fail_fast():
+    entered, release = threading.Event(), threading.Event()
+    calls = []
+    clock = FakeClock()
+
+    def slow_probe() -> None:
+        calls.append(1)
+        if len(calls) > 1:  # the re-probe after an outage hangs until released
+            entered.set()
+            release.wait(10)
+
+    gate = HealthGate("t", slow_probe, clock=clock)
+    gate.admit()  # first connect
+    gate.failed("connection reset")
+    clock.advance(1.0)
+    prober = threading.Thread(target=gate.admit)
+    prober.start()
+    assert entered.wait(10)
+    with pytest.raises(Unavailable):
+        gate.admit()
+    assert gate.check() is False  # a probe is running: check does not start another
+    release.set()
+    prober.join(10)
+    assert (len(calls), gate.healthy) == (2, True)
+
+
+def test_operations_wait_for_the_first_connect_instead_of_failing():
     entered, release = threading.Event(), threading.Event()
     calls = []
 
@@ -181,12 +207,14 @@ def test_gate_lets_one_thread_probe_while_the_others_fail_fast():
     prober = threading.Thread(target=gate.admit)
     prober.start()
     assert entered.wait(10)
-    with pytest.raises(Unavailable):
-        gate.admit()
-    assert gate.check() is False  # a probe is running: check does not start another
+    waiter_done = threading.Event()
+    waiter = threading.Thread(target=lambda: (gate.admit(), waiter_done.set()))
+    waiter.start()
+    assert not waiter_done.wait(0.2)  # waiting on the connect, not failing
     release.set()
     prober.join(10)
-    assert (len(calls), gate.healthy) == (1, True)
+    waiter.join(10)
+    assert waiter_done.is_set() and gate.healthy and len(calls) == 1
 
 
 def test_gate_check_notices_an_outage_while_healthy():

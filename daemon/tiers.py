@@ -1,0 +1,219 @@
+"""Storage tiers and where swaps go: which tiers exist, where swap_out stores, in which order
+swap_in and lookup retrieve, and the per-record work across tiers (run on I/O threads).
+
+Tiers, in their fixed order: ``host`` (RAM, configured by ``--host-tier-bytes``), ``file``
+(the directory, always), ``remote`` (``--remote-url``). ``store`` is a set of tier names;
+``retrieve`` an ordered list. They are independent, so a decode node can store to ``remote``
+while a prefill node retrieves from ``host,remote``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from kvswap.backends.base import Backend, GetStatus, Store
+from kvswap.protocol.errors import IOFailure, KvswapError, Unavailable
+
+from .metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+TIER_ORDER = ("host", "file", "remote")
+
+
+def parse_location_list(value: str) -> list[str]:
+    """``"host, remote"`` -> ``["host", "remote"]``; empty items are an error, not skipped
+    (``"host,,file"`` is a typo to report, not to guess at)."""
+    items = [item.strip().lower() for item in value.split(",")]
+    if value.strip() and any(not item for item in items):
+        raise ValueError(f"empty name in location list {value!r}")
+    return [item for item in items if item]
+
+
+@dataclass(frozen=True)
+class Locations:
+    store: tuple[str, ...]
+    retrieve: tuple[str, ...]
+    #: Copy records found in a lower tier into host (when host is a retrieve location).
+    promote: bool
+
+    @classmethod
+    def resolve(cls, configured: Sequence[str], store: str, retrieve: str, promote: bool) -> "Locations":
+        """Check the requested locations against the tiers actually configured. ``""`` means
+        the default: store to every configured tier, retrieve from all in tier order. Raises
+        ``ValueError`` naming the valid choices."""
+        configured = [t for t in TIER_ORDER if t in configured]
+        valid = ", ".join(configured)
+
+        def check(kind: str, names: list[str]) -> tuple[str, ...]:
+            for name in names:
+                if name not in TIER_ORDER:
+                    raise ValueError(f"unknown tier {name!r} in --{kind}-locations; valid: {valid}")
+                if name not in configured:
+                    hint = {"host": "set --host-tier-bytes", "remote": "set --remote-url"}.get(name, "")
+                    raise ValueError(f"tier {name!r} in --{kind}-locations is not configured ({hint}); "
+                                     f"configured: {valid}")
+            dupes = sorted({n for n in names if names.count(n) > 1})
+            if dupes:
+                raise ValueError(f"--{kind}-locations names {', '.join(dupes)} more than once")
+            return tuple(names)
+
+        stores = check("store", parse_location_list(store)) if store.strip() else tuple(configured)
+        retrieves = check("retrieve", parse_location_list(retrieve)) if retrieve.strip() else tuple(configured)
+        if not stores:
+            raise ValueError(f"--store-locations is empty; valid: {valid}")
+        if not retrieves:
+            raise ValueError(f"--retrieve-locations is empty; valid: {valid}")
+        return cls(stores, retrieves, promote and "host" in retrieves)
+
+
+class NamespaceTiers:
+    """The stores of one namespace, one per configured tier, and the record-level work that
+    spans them. Methods run on I/O threads."""
+
+    def __init__(self, stores: dict[str, Store], locations: Locations, metrics: Metrics) -> None:
+        self.stores = stores
+        self.locations = locations
+        self.metrics = metrics
+        self.store_to = [stores[t] for t in locations.store]
+        self.retrieve_from = [stores[t] for t in locations.retrieve]
+        self.host = stores.get("host") if locations.promote else None
+
+    def __iter__(self):
+        return iter(self.stores.values())
+
+    @property
+    def file(self) -> Store | None:
+        return self.stores.get("file")
+
+    # -- what swap_out and lookup need ----------------------------------------------------------
+
+    def stored_everywhere(self, key: str) -> bool:
+        """Whether every store location already has ``key`` (then swap_out skips it). An
+        unreachable tier counts as not having it."""
+        for store in self.store_to:
+            try:
+                if not store.contains(key):
+                    return False
+            except KvswapError:
+                return False
+        return True
+
+    def cached_prefix(self, keys: Sequence[str], inflight: Any) -> int:
+        """Leading keys known present in some retrieve tier from memory alone (no I/O)."""
+        hits = 0
+        for key in keys:
+            if key in inflight or any(s.cached_prefix([key]) for s in self.retrieve_from):
+                hits += 1
+            else:
+                break
+        return hits
+
+    def prefix(self, keys: Sequence[str], inflight: Any) -> int:
+        """Leading keys present in some retrieve tier, asking the tiers (I/O)."""
+        for i, key in enumerate(keys):
+            if key not in inflight and not any(self._contains(s, key) for s in self.retrieve_from):
+                return i
+        return len(keys)
+
+    def _contains(self, store: Store, key: str) -> bool:
+        try:
+            return store.contains(key)
+        except KvswapError:
+            return False  # an unreachable tier has nothing to offer; counted by its health
+
+    # -- records ------------------------------------------------------------------------------
+
+    def write(self, key: str, payload: memoryview) -> str:
+        """Store one record in every store location. "stored" only when all have it; else the
+        first failure's code (the record may be in the other tiers)."""
+        outcome = "stored"
+        for store in self.store_to:
+            started = time.perf_counter()
+            try:
+                store.put(key, payload)
+                self._count(store, "put", "ok", started, len(payload), "write")
+            except KvswapError as exc:
+                self._count(store, "put", exc.code, started)
+                if outcome == "stored":
+                    outcome = exc.code
+        if outcome != "stored":
+            raise _failure(outcome, key)
+        return outcome
+
+    def read(self, key: str, out: memoryview) -> tuple[str, str | None]:
+        """Load one record into ``out`` from the first retrieve tier that has a good copy.
+        Returns (status, tier). A corrupt copy in one tier does not stop the search."""
+        status = GetStatus.MISS.value
+        for store in self.retrieve_from:
+            started = time.perf_counter()
+            try:
+                result = store.get_into(key, out)
+            except Unavailable:
+                self._count(store, "get", "unavailable", started)
+                continue  # an unreachable tier is skipped, like a miss, and counted
+            except IOFailure:
+                self._count(store, "get", "error", started)
+                status = "error" if status == "miss" else status
+                continue
+            if result is GetStatus.LOADED:
+                self._count(store, "get", "hit", started, len(out), "read")
+                self._promote(store, key, out)
+                return "loaded", store.tier
+            self._count(store, "get", result.value, started)
+            if result is GetStatus.CORRUPT:
+                self.metrics.corrupt.labels(tier=store.tier).inc()
+                status = "corrupt"
+        return status, None
+
+    def _promote(self, source: Store, key: str, payload: memoryview) -> None:
+        if self.host is None or source is self.host:
+            return
+        started = time.perf_counter()
+        try:
+            self.host.put(key, payload)
+            self._count(self.host, "promote", "ok", started, len(payload), "write")
+        except KvswapError as exc:
+            self._count(self.host, "promote", exc.code, started)
+
+    def _count(self, store: Store, op: str, result: str, started: float, nbytes: int = 0,
+               direction: str | None = None) -> None:
+        m = self.metrics
+        m.tier_ops.labels(tier=store.tier, op=op, result=result).inc()
+        m.tier_latency.labels(tier=store.tier, op=op).observe(time.perf_counter() - started)
+        if direction:
+            m.tier_bytes.labels(tier=store.tier, direction=direction).inc(nbytes)
+
+    def close(self) -> None:
+        for store in self.stores.values():
+            store.close()
+
+
+def _failure(code: str, key: str) -> KvswapError:
+    from kvswap.protocol.errors import ERRORS_BY_CODE
+
+    cls = ERRORS_BY_CODE.get(code, IOFailure)
+    return cls(f"the record of {key} was not stored in every store location", key=key)
+
+
+def open_backends(config: Any) -> dict[str, Backend]:
+    """The configured tiers' backends, in tier order. Connects nothing yet."""
+    from kvswap.backends.file_store import Capacity, FileBackend
+
+    backends: dict[str, Backend] = {}
+    if config.host_tier_bytes:
+        from kvswap.backends.host_tier import HostBackend
+
+        backends["host"] = HostBackend(config.host_tier_bytes)
+    backends["file"] = FileBackend(
+        config.storage_dir, fsync=config.fsync, direct_io=config.direct_io,
+        capacity=Capacity(config.storage_max_bytes, config.storage_min_free_bytes),
+        rescan_interval_s=config.storage_rescan_interval_s)
+    if config.remote_url:
+        from kvswap.backends.remote import open_remote
+
+        backends["remote"] = open_remote(config.remote_url)
+    return backends
