@@ -161,6 +161,8 @@ class DeviceMover:
     """The record-level mover over device kernels and a host copier (see the module doc)."""
 
     kind = "cuda"
+    #: swap_in hands it a whole wave of records in one scatter call (one upload, one kernel).
+    batches_scatter = True
 
     def __init__(self, kernels: Kernels, copier: Copier, placements: Sequence[Placement], record_bytes: int,
                  batch_records: int, synchronize: Callable[[], None] = lambda: None,

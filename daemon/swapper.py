@@ -304,28 +304,29 @@ class Swapper:
             self._inflight[key] = entry
         self.metrics.pending_writes.set(len(self._inflight))
 
-        def submit(n: int) -> Future:
-            key, entry = entries[n]
-            return self._write_pool.submit(tiers.write, key, memoryview(entry.slot.view))  # type: ignore[union-attr]
+        def submit(start: int, stop: int) -> Future:
+            items = [(key, memoryview(entry.slot.view)) for key, entry in entries[start:stop]]
+            return self._write_pool.submit(_write_chunk, tiers, items)  # type: ignore[union-attr]
 
-        async def copy_out() -> tuple[list[Future], BaseException | None]:
+        async def copy_out() -> tuple[list[tuple[int, int, Future]], BaseException | None]:
             return await self._run(self._copy_pool, _gather_and_submit, registration,
                                    [block_ids[i] for i in todo], [e.slot.view for _, e in entries], deadline, submit)
 
-        writes, failure = await asyncio.shield(self._using_engine(copy_out))
+        chunks, failure = await asyncio.shield(self._using_engine(copy_out))
+        copied = chunks[-1][1] if chunks else 0
         # Records not gathered (deadline passed, or a failure) are dropped; the rest are
         # readable from staging until their write ends.
-        for key, entry in entries[len(writes):]:
+        for key, entry in entries[copied:]:
             self._drop_inflight(key, entry)
-        for _, entry in entries[: len(writes)]:
+        for _, entry in entries[:copied]:
             entry.copied.set_result(None)
-        task = asyncio.ensure_future(self._finish_writes(entries[: len(writes)], writes))
+        task = asyncio.ensure_future(self._finish_writes(entries, chunks))
         self._write_tasks.add(task)
         task.add_done_callback(self._write_tasks.discard)
         if failure is not None:
             raise failure
-        if len(writes) < len(entries):
-            raise Timeout("deadline passed while copying blocks", copied=len(writes), blocks=len(entries))
+        if copied < len(entries):
+            raise Timeout("deadline passed while copying blocks", copied=copied, blocks=len(entries))
         for i in todo:
             status[i] = "queued"
         self.metrics.bytes.labels(direction="out").inc(len(todo) * registration.record_bytes)
@@ -364,25 +365,25 @@ class Swapper:
             entry.done.set_result(None)
         entry.slot.release()
 
-    async def _finish_writes(self, entries: list[tuple[str, "InflightWrite"]], writes: list[Future]) -> list[str]:
-        """Wait for each record's write; its in-flight entry goes when the write ends."""
+    async def _finish_writes(self, entries: list[tuple[str, "InflightWrite"]],
+                             chunks: list[tuple[int, int, Future]]) -> list[str]:
+        """Wait for each chunk of writes; its records' in-flight entries go when it ends.
+        Returns the per-record outcomes of the records copied."""
 
-        async def finish(key: str, entry: InflightWrite, write: Future) -> str:
+        async def finish(start: int, stop: int, write: Future) -> list[str]:
             try:
-                await asyncio.wrap_future(write)
-                return "stored"
-            except KvswapError as exc:
-                log.warning("write of %s failed: %s", key, exc.message)
-                self.metrics.write_failures.labels(code=exc.code).inc()
-                return exc.code
-            except Exception:
-                log.exception("write of %s failed", key)
-                self.metrics.write_failures.labels(code="internal").inc()
-                return "internal"
-            finally:
+                outcomes = await asyncio.wrap_future(write)
+            except Exception:  # _write_chunk answers per record; this is a bug
+                log.exception("writes of %d records failed", stop - start)
+                outcomes = ["internal"] * (stop - start)
+            for (key, entry), outcome in zip(entries[start:stop], outcomes):
+                if outcome != "stored":
+                    self.metrics.write_failures.labels(code=outcome).inc()
                 self._drop_inflight(key, entry)
+            return outcomes
 
-        return list(await asyncio.gather(*(finish(k, e, w) for (k, e), w in zip(entries, writes))))
+        results = await asyncio.gather(*(finish(start, stop, write) for start, stop, write in chunks))
+        return [outcome for chunk in results for outcome in chunk]
 
     # -- swap_in ----------------------------------------------------------------------------------
 
@@ -416,14 +417,18 @@ class Swapper:
                         pass  # its copy was abandoned: a miss
                 slots_read = await self._take_read_slots(pool, len(to_read))
                 slots.extend(slots_read)
+                # The host mover scatters each record on its read thread as soon as it is read
+                # (reads and copies overlap); GPU movers want the wave in one call (one upload,
+                # one kernel), after the reads.
+                per_record = not getattr(registration.mover, "batches_scatter", False)
                 results = await asyncio.gather(*(
-                    self._run(self._read_pool, _read_record, tiers, keys[i], slot.view)
+                    self._run(self._read_pool, _read_record, tiers, keys[i], slot.view,
+                              (registration, block_ids[i], deadline) if per_record else None)
                     for i, slot in zip(to_read, slots_read)))
                 for i, slot, result in zip(to_read, slots_read, results):
                     status[i] = result
-                    if result == "loaded":
+                    if result == "loaded" and not per_record:
                         sources[i] = slot
-                # One scatter for the wave: GPU movers batch it into one upload and one kernel.
                 order = sorted(sources)
                 ok = await self._run(self._copy_pool, _scatter_many, registration, [block_ids[i] for i in order],
                                      [sources[i].view for i in order], deadline)
@@ -567,22 +572,39 @@ READ_WAVE = 64
 
 
 def _gather_and_submit(registration: Registration, block_ids: list[int], slots: list[Any], deadline: Deadline,
-                       submit: Callable[[int], Future]) -> tuple[list[Future], BaseException | None]:
-    """Gather blocks into their slots a chunk at a time and submit each record's write as soon
-    as its chunk is copied, so copying block N+1 overlaps writing block N. Returns the writes
-    submitted (fewer than the blocks when the deadline passed or a copy failed) and the
-    failure. Never raises: submitted writes must stay accounted for, since their slots may
-    only be reused once they finish."""
-    writes: list[Future] = []
+                       submit: Callable[[int, int], Future]) -> tuple[list[tuple[int, int, Future]],
+                                                                       BaseException | None]:
+    """Gather blocks into their slots a chunk at a time and submit the chunk's writes as soon
+    as it is copied, so copying block N+1 overlaps writing block N. Returns the chunks
+    submitted as ``(start, stop, future)`` (fewer records than blocks when the deadline passed
+    or a copy failed) and the failure. Never raises: submitted writes must stay accounted for,
+    since their slots may only be reused once they finish."""
+    chunks: list[tuple[int, int, Future]] = []
     try:
         for start in range(0, len(block_ids), GATHER_CHUNK):
-            chunk = slice(start, start + GATHER_CHUNK)
-            if not registration.mover.gather_blocks(block_ids[chunk], slots[chunk], deadline.live):
+            stop = min(start + GATHER_CHUNK, len(block_ids))
+            if not registration.mover.gather_blocks(block_ids[start:stop], slots[start:stop], deadline.live):
                 break
-            writes.extend(submit(n) for n in range(start, min(start + GATHER_CHUNK, len(block_ids))))
+            chunks.append((start, stop, submit(start, stop)))
     except BaseException as exc:  # handed back to the loop, which answers with it
-        return writes, exc
-    return writes, None
+        return chunks, exc
+    return chunks, None
+
+
+def _write_chunk(tiers: NamespaceTiers, items: list[tuple[str, memoryview]]) -> list[str]:
+    """Write a few records on one write thread: one loop wake-up per chunk, not per record.
+    Each record's outcome is its own ("stored" or an error code)."""
+    outcomes = []
+    for key, payload in items:
+        try:
+            outcomes.append(tiers.write(key, payload))
+        except KvswapError as exc:
+            log.warning("write of %s failed: %s", key, exc.message)
+            outcomes.append(exc.code)
+        except Exception:
+            log.exception("write of %s failed", key)
+            outcomes.append("internal")
+    return outcomes
 
 
 def _scatter_many(registration: Registration, block_ids: list[int], slots: list[Any], deadline: Deadline) -> bool:
@@ -591,6 +613,12 @@ def _scatter_many(registration: Registration, block_ids: list[int], slots: list[
     return registration.mover.scatter_blocks(block_ids, slots, deadline.live)
 
 
-def _read_record(tiers: NamespaceTiers, key: str, slot: Any) -> str:
+def _read_record(tiers: NamespaceTiers, key: str, slot: Any,
+                 scatter_to: tuple[Registration, int, Deadline] | None = None) -> str:
+    """Read one record into ``slot``; with ``scatter_to``, also copy it into its engine block
+    right here on the read thread."""
     status, _ = tiers.read(key, memoryview(slot))
-    return status
+    if status != "loaded" or scatter_to is None:
+        return status
+    registration, block_id, deadline = scatter_to
+    return "loaded" if _scatter_many(registration, [block_id], [slot], deadline) else "error"

@@ -15,7 +15,8 @@ EXPECTED = {
     "swap_out persisted": "write",
     "swap_in hot": "memcpy",
     "swap_in cold": "read",
-    "host layout conversion": "memcpy",
+    "host layout conversion": "memcpy into slots",
+    "host layout conversion vs bulk": "memcpy bulk",
 }
 UNBASED = ["swap_out copied latency p50", "swap_out copied latency p99", "ping p50 under load",
            "ping p99 under load", "lookup 1000 keys p50 under load", "lookup 1000 keys p99 under load",
