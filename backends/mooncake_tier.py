@@ -45,7 +45,7 @@ from kvswap.protocol.errors import Corrupt, IOFailure, KvswapError, NoSpace
 
 from . import record
 from .base import Backend, GetStatus
-from .remote import HealthGate, MooncakeSpec, RemoteStoreBase
+from .remote import GatedHealth, HealthGate, MooncakeSpec, RemoteStoreBase
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def _local_address_towards(host: str, port: int) -> str:
         return socket.gethostname()
 
 
-class MooncakeBackend(Backend):
+class MooncakeBackend(GatedHealth, Backend):
     """``mooncake://``. Connects (``setup``) on first use or :meth:`check`."""
 
     tier = "remote"
@@ -131,18 +131,6 @@ class MooncakeBackend(Backend):
         self._probe_key = f"kvswap/.probe/{secrets.token_hex(8)}"
 
     # -- health ---------------------------------------------------------------------------------
-
-    @property
-    def healthy(self) -> bool:
-        return self.gate.healthy
-
-    @property
-    def failures(self) -> int:
-        return self.gate.failures
-
-    @property
-    def reconnects(self) -> int:
-        return self.gate.reconnects
 
     def check(self) -> bool:
         """Probe the master now (see :meth:`HealthGate.check`); returns ``healthy``."""

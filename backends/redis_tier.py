@@ -31,7 +31,7 @@ from kvswap.protocol.errors import Corrupt, IOFailure, NoSpace
 
 from . import record
 from .base import Backend, GetStatus
-from .remote import HealthGate, RedisSpec, RemoteStoreBase
+from .remote import GatedHealth, HealthGate, RedisSpec, RemoteStoreBase
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ _UNREACHABLE: Final = (rex.ConnectionError, rex.TimeoutError, rex.ClusterDownErr
                        rex.RedisClusterException, OSError)
 
 
-class RedisBackend(Backend):
+class RedisBackend(GatedHealth, Backend):
     """``redis://`` and ``redis+cluster://``. Connects on first use (or :meth:`check`)."""
 
     tier = "remote"
@@ -65,18 +65,6 @@ class RedisBackend(Backend):
         self._client_lock = threading.Lock()
 
     # -- health ---------------------------------------------------------------------------------
-
-    @property
-    def healthy(self) -> bool:
-        return self.gate.healthy
-
-    @property
-    def failures(self) -> int:
-        return self.gate.failures
-
-    @property
-    def reconnects(self) -> int:
-        return self.gate.reconnects
 
     def check(self) -> bool:
         """Probe the server now (see :meth:`HealthGate.check`); returns ``healthy``."""

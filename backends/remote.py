@@ -450,7 +450,26 @@ def _describe(exc: BaseException | str) -> str:
 # -- what both adapters' stores share ---------------------------------------------------------
 
 
-class RemoteStoreBase(Store):
+class GatedHealth:
+    """``healthy``, ``failures`` and ``reconnects`` of an object's ``gate``, as the daemon
+    reads them from remote backends and stores alike."""
+
+    gate: HealthGate
+
+    @property
+    def healthy(self) -> bool:
+        return self.gate.healthy
+
+    @property
+    def failures(self) -> int:
+        return self.gate.failures
+
+    @property
+    def reconnects(self) -> int:
+        return self.gate.reconnects
+
+
+class RemoteStoreBase(GatedHealth, Store):
     """Namespace, key mapping, health view and the usage this process has seen, shared by the
     Redis and Mooncake stores. Adapters implement the raw operations."""
 
@@ -470,19 +489,6 @@ class RemoteStoreBase(Store):
         self._seen_lock = threading.Lock()
         #: Records that failed verification (and were removed).
         self.corrupt = 0
-
-    # health, as the daemon reads it
-    @property
-    def healthy(self) -> bool:
-        return self.gate.healthy
-
-    @property
-    def failures(self) -> int:
-        return self.gate.failures
-
-    @property
-    def reconnects(self) -> int:
-        return self.gate.reconnects
 
     def rkey(self, key: str) -> str:
         return self.prefix + key
