@@ -47,7 +47,10 @@ class Config:
     #: Keep at least this much free space on the storage file system (0: no floor).
     storage_min_free_bytes: int = 0
     #: auto: use O_DIRECT for records when the file system supports it; on: require it; off.
-    direct_io: str = "off"
+    #: auto by default: measured here, persisted swap_out ran ~1.2 GB/s with O_DIRECT and
+    #: ~0.46 GB/s buffered (dirty-page throttling), and O_DIRECT keeps swapped-out KV from
+    #: evicting the page cache; hot records belong in the host tier instead.
+    direct_io: str = "auto"
     #: How often the evicting daemon re-lists the directory to count records other daemons
     #: wrote (0: only at start-up). Set it when several daemons share the directory.
     storage_rescan_interval_s: float = 0.0

@@ -83,6 +83,14 @@ def test_full_disk_is_a_typed_status_and_reads_keep_working(tmp_path: Path, cach
 
         disk.write_file = read_only
         assert c.swap_out([3], ["x3"], wait="persisted").status == ["io_error"]
+
+        def denied(*args, **kwargs):
+            raise OSError(errno.EACCES, "Permission denied")
+
+        disk.write_file = denied
+        assert c.swap_out([4], ["x4"], wait="persisted").status == ["io_error"]
+        cache.zero_blocks([9])
+        assert c.swap_in(["before"], [9]).status == ["loaded"]  # reads still work
         assert c.ping() < 1.0
 
 
