@@ -18,7 +18,6 @@ import msgpack
 from .errors import BadRequest, KvswapError, TooLarge, UnknownOp, UnsupportedVersion, from_wire, to_wire
 from .limits import (
     MAX_BLOCK_ID,
-    MAX_KEYS_PER_REQUEST,
     MAX_MESSAGE_BYTES,
     MAX_REGIONS,
     MAX_TIMEOUT_MS,
