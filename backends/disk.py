@@ -6,7 +6,9 @@ disk). Nothing above this class calls ``os`` on record files.
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import fcntl
 import os
 import secrets
 import stat
@@ -24,8 +26,48 @@ DIRECT_ALIGN: Final = 4096
 _O_DIRECT: Final = getattr(os, "O_DIRECT", 0)
 
 
+def aligned_empty(nbytes: int, align: int = DIRECT_ALIGN) -> np.ndarray:
+    """An uninitialised uint8 array whose first byte is ``align``-aligned (O_DIRECT buffers,
+    staging slots)."""
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start : start + nbytes]
+
+
+def listdir_or_empty(path: str) -> list[str]:
+    """Entries of ``path``; a directory that is gone (or never was) has none."""
+    try:
+        return os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def try_flock(path: str) -> int | None:
+    """Open ``path`` (0600) and take an exclusive flock without waiting. Returns the file
+    descriptor that holds the lock (closing it releases the lock), or None if another holder
+    has it or the file cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def _address(part: memoryview | bytes | bytearray) -> int:
-    return np.frombuffer(part, dtype=np.uint8).ctypes.data if len(part) else 0
+    """Where a buffer starts. It runs twice per record I/O, so the common case (a writable
+    buffer: staging slots, header buffers) takes the cheap ctypes path (~0.3 us, against
+    ~1.7 us through numpy, with the GIL held)."""
+    if not len(part):
+        return 0
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(part))
+    except (TypeError, ValueError):  # read-only (bytes) or not contiguous
+        return np.frombuffer(part, dtype=np.uint8).ctypes.data
 
 
 def direct_compatible(parts: Sequence[memoryview | bytes | bytearray]) -> bool:
@@ -153,8 +195,7 @@ class Disk:
         if not _O_DIRECT:
             return False
         path = os.path.join(directory, f".direct-probe.{os.getpid()}.{secrets.token_hex(4)}")
-        buf = np.zeros(2 * DIRECT_ALIGN, dtype=np.uint8)
-        block = buf[(-buf.ctypes.data) % DIRECT_ALIGN:][:DIRECT_ALIGN]
+        block = aligned_empty(DIRECT_ALIGN)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o600)
         except OSError:

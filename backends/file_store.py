@@ -31,7 +31,6 @@ drops the lock and the next daemon's maintenance pass takes over.
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -43,14 +42,13 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Container, Final, Iterator, Sequence
 
-import numpy as np
 import xxhash
 
 from kvswap.protocol.errors import Corrupt, IOFailure, NoSpace
 
 from . import record
 from .base import Backend, GetStatus, Store
-from .disk import DIRECT_IO_MODES, FSYNC_MODES, Disk, make_private_dirs
+from .disk import DIRECT_IO_MODES, FSYNC_MODES, Disk, aligned_empty, listdir_or_empty, make_private_dirs, try_flock
 from .file_index import RecordIndex
 
 __all__ = ["FSYNC_MODES", "DIRECT_IO_MODES", "Capacity", "Disk", "FileBackend", "FileStore", "make_private_dirs",
@@ -345,16 +343,8 @@ class FileStore(Store):
         """Become the namespace's evicting daemon if nobody holds ``evict.lock``."""
         if self._lock_fd is not None:
             return True
-        path = os.path.join(self.dir, LOCK_NAME)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            log.warning("cannot open %s: %s", path, exc)
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
+        fd = try_flock(os.path.join(self.dir, LOCK_NAME))
+        if fd is None:
             return False
         os.ftruncate(fd, 0)
         os.write(fd, f"{self.backend._writer_tag}\n".encode())
@@ -434,24 +424,9 @@ class FileStore(Store):
         """``(name, size, mtime_ns)`` of every record file; counts progress as it goes."""
         with self._counter_lock:
             self.counters["scan_records"] = 0
-        for first in _listdir(self.dir):
-            if len(first) != 2:
-                continue
-            level1 = os.path.join(self.dir, first)
-            for second in _listdir(level1):
-                try:
-                    entries = list(os.scandir(os.path.join(level1, second)))
-                except (FileNotFoundError, NotADirectoryError):
-                    continue
-                for entry in entries:
-                    if not entry.name.endswith(RECORD_SUFFIX):
-                        continue
-                    try:
-                        st = entry.stat()
-                    except OSError:
-                        continue  # removed meanwhile
-                    self._count("scan_records", 1)
-                    yield entry.name[: -len(RECORD_SUFFIX)], st.st_size, st.st_mtime_ns
+        for name, size, mtime_ns in scan_record_files(self.dir):
+            self._count("scan_records", 1)
+            yield name, size, mtime_ns
 
     def _record_paths(self) -> Iterator[str]:
         for name, _, _ in self._list_records():
@@ -464,7 +439,7 @@ class FileStore(Store):
         host, me, instance = socket.gethostname(), os.getpid(), self.backend.instance
         reclaimed = 0
         now = time.time()
-        for entry in _listdir(self.tmp_dir):
+        for entry in listdir_or_empty(self.tmp_dir):
             if not entry.endswith(TMP_SUFFIX):
                 continue
             path = os.path.join(self.tmp_dir, entry)
@@ -498,16 +473,29 @@ class FileStore(Store):
 
 
 def _aligned(nbytes: int) -> memoryview:
-    raw = np.zeros(nbytes + 4096, dtype=np.uint8)
-    start = (-raw.ctypes.data) % 4096
-    return memoryview(raw[start : start + nbytes])
+    return memoryview(aligned_empty(nbytes))
 
 
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+def scan_record_files(namespace_dir: str) -> Iterator[tuple[str, int, int]]:
+    """``(name, size, mtime_ns)`` of every record file under a namespace directory, walking
+    its two levels of shards. Files removed while we walk are skipped."""
+    for first in listdir_or_empty(namespace_dir):
+        if len(first) != 2:
+            continue
+        level1 = os.path.join(namespace_dir, first)
+        for second in listdir_or_empty(level1):
+            try:
+                entries = list(os.scandir(os.path.join(level1, second)))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for entry in entries:
+                if not entry.name.endswith(RECORD_SUFFIX):
+                    continue
+                try:
+                    st = entry.stat()
+                except OSError:
+                    continue
+                yield entry.name[: -len(RECORD_SUFFIX)], st.st_size, st.st_mtime_ns
 
 
 def _pid_alive(pid: int) -> bool:

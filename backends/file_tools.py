@@ -7,7 +7,6 @@ on read anyway), and gc skips any namespace whose eviction lock a daemon holds.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import time
@@ -17,7 +16,8 @@ from typing import Any, Callable, Iterator
 from kvswap.protocol.errors import Corrupt
 
 from . import record
-from .file_store import LOCK_NAME, RECORD_SUFFIX, TMP_SUFFIX, record_name
+from .disk import listdir_or_empty, try_flock
+from .file_store import LOCK_NAME, RECORD_SUFFIX, TMP_SUFFIX, record_name, scan_record_files
 
 #: Age buckets for ``inspect`` (upper bounds, seconds).
 AGE_BUCKETS: tuple[tuple[str, float], ...] = (
@@ -45,22 +45,9 @@ def namespaces(root: str) -> list[str]:
 
 def record_files(root: str, namespace: str) -> Iterator[RecordFile]:
     base = os.path.join(root, namespace)
-    for first in sorted(_listdir(base)):
-        if len(first) != 2:
-            continue
-        for second in sorted(_listdir(os.path.join(base, first))):
-            leaf = os.path.join(base, first, second)
-            try:
-                entries = list(os.scandir(leaf))
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            for entry in entries:
-                if entry.name.endswith(RECORD_SUFFIX):
-                    try:
-                        st = entry.stat()
-                    except FileNotFoundError:
-                        continue
-                    yield RecordFile(namespace, entry.path, st.st_size, st.st_mtime)
+    for name, size, mtime_ns in scan_record_files(base):
+        yield RecordFile(namespace, os.path.join(base, name[:2], name[2:4], name + RECORD_SUFFIX), size,
+                         mtime_ns / 1e9)
 
 
 def count_records(root: str) -> int:
@@ -97,7 +84,7 @@ def inspect(root: str, progress: Progress | None = None, now: float | None = Non
             summary.ages[next(name for name, bound in AGE_BUCKETS if age < bound)] += 1
             if progress:
                 progress(1)
-        summary.temp_files = sum(1 for e in _listdir(os.path.join(root, ns, "tmp")) if e.endswith(TMP_SUFFIX))
+        summary.temp_files = sum(1 for e in listdir_or_empty(os.path.join(root, ns, "tmp")) if e.endswith(TMP_SUFFIX))
         out.append(summary)
     return out
 
@@ -174,7 +161,7 @@ def gc(root: str, max_bytes: int, progress: Progress | None = None) -> GcReport:
         for ns in namespaces(root):
             records = list(record_files(root, ns))
             report.before_bytes += sum(r.size for r in records)
-            fd = _try_lock(os.path.join(root, ns, LOCK_NAME))
+            fd = try_flock(os.path.join(root, ns, LOCK_NAME))
             if fd is None:
                 report.skipped_namespaces.append(ns)
                 report.after_bytes += sum(r.size for r in records)
@@ -202,23 +189,3 @@ def gc(root: str, max_bytes: int, progress: Progress | None = None) -> GcReport:
         for fd in locks:
             os.close(fd)
     return report
-
-
-def _try_lock(path: str) -> int | None:
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return []

@@ -180,12 +180,7 @@ class RedisStore(RemoteStoreBase):
         for chunk in _batches(items, step):
             values = [(key, self.header_for(key, payload) + payload) for key, payload in chunk]
 
-            def op(c: Any, values=values) -> None:
-                pipe = c.pipeline(transaction=False)
-                for key, value in values:
-                    pipe.set(self.rkey(key), value)
-                pipe.execute()
-            self.backend.call(op)
+            self._pipelined("set", [(self.rkey(key), value) for key, value in values])
             self._remember(key for key, _ in values)
             sizes.extend(len(v) for _, v in values)
         return sizes
@@ -197,29 +192,26 @@ class RedisStore(RemoteStoreBase):
         statuses: list[GetStatus] = []
         for start in range(0, len(keys), step):
             chunk = keys[start:start + step]
-
-            def op(c: Any, chunk=chunk) -> list[Any]:
-                pipe = c.pipeline(transaction=False)
-                for key in chunk:
-                    pipe.get(self.rkey(key))
-                return pipe.execute()
-            for i, data in enumerate(self.backend.call(op)):
+            for i, data in enumerate(self._pipelined("get", [(self.rkey(key),) for key in chunk])):
                 statuses.append(self._load(chunk[i], data, outs[start + i]))
         return statuses
 
     def contains_prefix(self, keys: Sequence[str]) -> int:
         for start in range(0, len(keys), KEY_BATCH):
             chunk = keys[start:start + KEY_BATCH]
-
-            def op(c: Any, chunk=chunk) -> list[Any]:
-                pipe = c.pipeline(transaction=False)
-                for key in chunk:
-                    pipe.exists(self.rkey(key))
-                return pipe.execute()
-            for i, present in enumerate(self.backend.call(op)):
+            for i, present in enumerate(self._pipelined("exists", [(self.rkey(key),) for key in chunk])):
                 if not present:
                     return start + i
         return len(keys)
+
+    def _pipelined(self, command: str, calls: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Run ``command(*args)`` for each args tuple in one pipeline (one round trip)."""
+        def op(c: Any) -> list[Any]:
+            pipe = c.pipeline(transaction=False)
+            for args in calls:
+                getattr(pipe, command)(*args)
+            return pipe.execute()
+        return self.backend.call(op)
 
     def delete_many(self, keys: Iterable[str]) -> int:
         removed = 0

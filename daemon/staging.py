@@ -13,13 +13,11 @@ from collections import deque
 
 import numpy as np
 
+from kvswap.backends.disk import aligned_empty
+
+__all__ = ["ALIGN", "Slot", "StagingPool", "aligned_empty"]
+
 ALIGN = 4096
-
-
-def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
-    raw = np.empty(nbytes + align, dtype=np.uint8)
-    start = (-raw.ctypes.data) % align
-    return raw[start : start + nbytes]
 
 
 class Slot:
