@@ -15,9 +15,9 @@ import tempfile
 import threading
 import time
 
-from kvswap.daemon.bench import raw_sequential_gbps
-from kvswap.daemon.local_daemon import LocalDaemon
-from kvswap.daemon.presets import PRESETS, preset_layout
+from kvswap.daemon.tools.bench import raw_sequential_gbps
+from kvswap.daemon.tools.local_daemon import LocalDaemon
+from kvswap.daemon.tools.presets import PRESETS, preset_layout
 from kvswap.protocol import Busy, Client, HostKVCache
 
 

@@ -397,7 +397,7 @@ def timed(fn, repeat: int) -> float:
 
 
 def check_bandwidth(report: Report, engine: Engine, backend: str, quick: bool, rng: np.random.Generator) -> dict:
-    from kvswap.daemon.gpu_cuda import CudaDevice
+    from kvswap.daemon.movers.cuda import CudaDevice
     from kvswap.daemon.staging import StagingPool
 
     layout = perf_layout(quick)
@@ -574,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     report = Report()
     rng = np.random.default_rng(2024)
     summary: dict[str, Any] = {"env": env, "engine": fw, "backends": backends}
-    from kvswap.daemon.local_daemon import LocalDaemon
+    from kvswap.daemon.tools.local_daemon import LocalDaemon
 
     with tempfile.TemporaryDirectory(prefix="kvswap-gpu-check-") as workdir:
         engine = Engine(fw, workdir, Path(workdir) / "engine.log")

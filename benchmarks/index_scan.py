@@ -19,7 +19,7 @@ import time
 import urllib.request
 
 from kvswap.backends.file_store import FileBackend
-from kvswap.daemon.local_daemon import LocalDaemon
+from kvswap.daemon.tools.local_daemon import LocalDaemon
 from kvswap.protocol import CacheLayout, Client, HostKVCache
 
 LAYOUT = CacheLayout("scan-bench", num_layers=1, num_blocks=16, block_size=1, num_kv_heads=1, head_dim=64)

@@ -13,8 +13,8 @@ import tempfile
 import threading
 import time
 
-from kvswap.daemon.local_daemon import LocalDaemon
-from kvswap.daemon.presets import PRESETS, preset_layout
+from kvswap.daemon.tools.local_daemon import LocalDaemon
+from kvswap.daemon.tools.presets import PRESETS, preset_layout
 from kvswap.protocol import Client, HostKVCache, KvswapError
 
 

@@ -18,9 +18,9 @@ from kvswap.protocol.errors import InvalidLayout, OutOfRange
 from kvswap.protocol.layout import CacheLayout
 from kvswap.protocol.shm import SharedSegment
 
-from .copy_plan import Placement
-from .gpu_plan import check_fits
-from .host_mover import HostMover
+from .movers.copy_plan import Placement
+from .movers.gpu_plan import check_fits
+from .movers.host import HostMover
 
 #: Memory handle kinds a registration may use: POSIX shared memory (CPU engines, tests, the
 #: demo) and CUDA IPC (an engine's GPU cache; see docs/gpu.md).
@@ -70,7 +70,7 @@ class Registration:
             raise InvalidLayout("all handles of a registration must be of one kind", kinds=sorted(set(kinds)))
         if kinds[0] == "cuda_ipc":
             # Imported here: a daemon serving shared memory never loads the GPU modules.
-            from .gpu_movers import DEFAULT_DEVICE_STAGING_BYTES, attach_cuda_ipc
+            from .movers.cuda_attach import DEFAULT_DEVICE_STAGING_BYTES, attach_cuda_ipc
 
             mover = attach_cuda_ipc(layout, placements, handles, gpu_backend,
                                     gpu_staging_bytes or DEFAULT_DEVICE_STAGING_BYTES)

@@ -16,7 +16,7 @@ import pytest
 import zmq
 import zmq.auth
 
-from kvswap.daemon.keygen import write_keypair
+from kvswap.daemon.tools.keygen import write_keypair
 from kvswap.protocol import AsyncClient, CacheLayout, Client, HostKVCache, Timeout, Unavailable
 
 from support import DaemonProcess, free_port, wait_until
@@ -28,7 +28,7 @@ def mode(path: Path) -> int:
 
 def keygen(name: str, directory: Path, umask: int = 0o022) -> subprocess.CompletedProcess:
     """``kvswap keygen`` as a subprocess under the given umask (0 = the most permissive)."""
-    return subprocess.run([sys.executable, "-m", "kvswap.daemon.admin", "keygen", name, "--dir", str(directory)],
+    return subprocess.run([sys.executable, "-m", "kvswap.daemon.tools.admin", "keygen", name, "--dir", str(directory)],
                           capture_output=True, text=True, timeout=30, preexec_fn=lambda: os.umask(umask))
 
 

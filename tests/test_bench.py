@@ -25,7 +25,7 @@ UNBASED = ["swap_out copied latency p50", "swap_out copied latency p99", "ping p
 
 def test_bench_quick_produces_every_field(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "kvswap.daemon.admin", "bench", "--quick", "--json", "--storage-dir",
+        [sys.executable, "-m", "kvswap.daemon.tools.admin", "bench", "--quick", "--json", "--storage-dir",
          str(tmp_path / "bench")], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)

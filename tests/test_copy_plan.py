@@ -1,5 +1,5 @@
-"""Layout conversion (kvswap.daemon.copy_plan) executed by the host mover
-(kvswap.daemon.host_mover): the docstring's worked example byte for byte, then random layouts
+"""Layout conversion (kvswap.daemon.movers.copy_plan) executed by the host mover
+(kvswap.daemon.movers.host): the docstring's worked example byte for byte, then random layouts
 and placements against a reference written independently here. Pure units, no daemon."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvswap.daemon.copy_plan import Copy, Placement, copy_plan
-from kvswap.daemon.host_mover import HostMover
+from kvswap.daemon.movers.copy_plan import Copy, Placement, copy_plan
+from kvswap.daemon.movers.host import HostMover
 from kvswap.protocol.layout import CacheLayout
 
 # -- the worked example -----------------------------------------------------------------------

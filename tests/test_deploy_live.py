@@ -43,7 +43,7 @@ N_BLOCKS = 6
 
 def exposition(text: str) -> tuple[dict[str, list[dict[str, str]]], set[str]]:
     """(series name -> label sets of its samples, every series name a declared family allows)."""
-    from kvswap.daemon.status import parse_exposition
+    from kvswap.daemon.tools.status import parse_exposition
 
     samples: dict[str, list[dict[str, str]]] = {}
     for (name, pairs), _ in parse_exposition(text).items():
@@ -139,7 +139,7 @@ def test_the_traffic_shows_in_the_counters(live: tuple[DaemonProcess, int]) -> N
     assert daemon.metric("kvswap_lookup_keys_total", result="hit") == n
     assert daemon.metric("kvswap_errors_total", op="swap_in", code="not_registered") == 1
     # A key refused while decoding: counted once, whichever op label the daemon gives it.
-    from kvswap.daemon.status import parse_exposition
+    from kvswap.daemon.tools.status import parse_exposition
 
     series = parse_exposition(daemon.http("/metrics")[1])
     assert sum(v for (name, labels), v in series.items()

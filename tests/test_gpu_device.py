@@ -14,9 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvswap.daemon.copy_plan import Placement
-from kvswap.daemon.gpu_movers import ChunkKernels, CudaCopier, CupyChunkRunner, DeviceMover
-from kvswap.daemon.host_mover import HostMover
+from kvswap.daemon.movers.copy_plan import Placement
+from kvswap.daemon.movers.kernels import ChunkKernels, CupyChunkRunner
+from kvswap.daemon.movers.copiers import CudaCopier
+from kvswap.daemon.movers.device import DeviceMover
+from kvswap.daemon.movers.host import HostMover
 from kvswap.daemon.staging import StagingPool
 from kvswap.protocol.cuda_export import CudaDriver, CudaError
 from test_gpu_plans import KINDS, kind_layout
@@ -40,7 +42,7 @@ TARGETS = [3, 5, 3, 10]  # 3 twice: the third record wins
 def test_cupy_mover_on_device_memory_matches_the_host_mover(kind):
     import cupy
 
-    from kvswap.daemon.gpu_cuda import CudaDevice
+    from kvswap.daemon.movers.cuda import CudaDevice
 
     layout = kind_layout(kind)
     rng = np.random.default_rng(5)

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from kvswap.daemon.gpu_movers import CHUNK_KERNEL_NAME, CHUNK_KERNEL_SOURCE
+from kvswap.daemon.movers.kernels import CHUNK_KERNEL_NAME, CHUNK_KERNEL_SOURCE
 
 
 def load_nvrtc():

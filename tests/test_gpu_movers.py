@@ -1,4 +1,4 @@
-"""The GPU mover (kvswap.daemon.gpu_movers.DeviceMover) run whole on the CPU: its chunk kernels
+"""The GPU mover (kvswap.daemon.movers.DeviceMover) run whole on the CPU: its chunk kernels
 executed by the numpy runner (the CuPy kernel's twin) and its host copies by HostCopier, or by
 the real CudaCopier over a host stand-in for the driver's copy and pinning calls. Checked byte
 for byte against each block's reference record and against the host mover, for every layout
@@ -12,15 +12,10 @@ from typing import Iterator
 import numpy as np
 import pytest
 
-from kvswap.daemon.gpu_movers import (
-    ChunkKernels,
-    CudaCopier,
-    DeviceMover,
-    HostCopier,
-    NumpyChunkRunner,
-    _host_view,
-)
-from kvswap.daemon.gpu_plan import AddressSpace
+from kvswap.daemon.movers.kernels import ChunkKernels, NumpyChunkRunner
+from kvswap.daemon.movers.copiers import CudaCopier, HostCopier, host_view
+from kvswap.daemon.movers.device import DeviceMover
+from kvswap.daemon.movers.gpu_plan import AddressSpace
 from kvswap.daemon.staging import StagingPool
 from kvswap.protocol import KvswapError
 from kvswap.protocol.cuda_export import CudaError
@@ -223,7 +218,7 @@ class HostDriverTwin:
         space = AddressSpace(self.arrays())  # device memory: bounds checked
 
         def view(address: int, is_host: bool) -> np.ndarray:
-            return _host_view(address, width) if is_host else space.view(address, width)
+            return host_view(address, width) if is_host else space.view(address, width)
 
         for r in range(height):
             if self._pinned_bytes(host + r * pitch, width) not in (0, width):

@@ -1,4 +1,4 @@
-"""The paddle mover's kernels (kvswap.daemon.gpu_movers.PaddleKernels) on CPU paddle: the same
+"""The paddle mover's kernels (kvswap.daemon.movers.PaddleKernels) on CPU paddle: the same
 DLPack views, row plans, gather/concat and split/index_put ops the GPU path runs, over host
 memory, compared byte for byte with each block's reference record and with the host mover.
 Skipped where paddle is not installed."""
@@ -15,9 +15,11 @@ from hypothesis import given, settings
 
 paddle = pytest.importorskip("paddle")
 
-from kvswap.daemon.copy_plan import Placement, copy_plan  # noqa: E402
-from kvswap.daemon.gpu_movers import DeviceMover, DLPackView, HostCopier, PaddleKernels, host_upload  # noqa: E402
-from kvswap.daemon.host_mover import HostMover  # noqa: E402
+from kvswap.daemon.movers.copy_plan import Placement, copy_plan  # noqa: E402
+from kvswap.daemon.movers.device import DeviceMover
+from kvswap.daemon.movers.kernels import DLPackView, PaddleKernels, host_upload
+from kvswap.daemon.movers.copiers import HostCopier# noqa: E402
+from kvswap.daemon.movers.host import HostMover  # noqa: E402
 from kvswap.daemon.staging import StagingPool  # noqa: E402
 from test_copy_plan import Scenario, _fill_engine, _reference_records, _region_contents, scenarios  # noqa: E402
 from test_gpu_plans import GATHER, KINDS, SCATTER, Engine  # noqa: E402
@@ -151,7 +153,7 @@ import os, signal, sys, time
 hit = []
 signal.signal(signal.SIGTERM, lambda *a: hit.append(1))
 if sys.argv[1] == "kvswap":
-    from kvswap.daemon.gpu_movers import import_paddle
+    from kvswap.daemon.movers.cuda_attach import import_paddle
     paddle = import_paddle()
 else:
     import paddle

@@ -1,4 +1,4 @@
-"""The GPU movers' shared logic (kvswap.daemon.gpu_plan, copy_plan.plan_arrays), executed by its
+"""The GPU movers' shared logic (kvswap.daemon.movers.gpu_plan, copy_plan.plan_arrays), executed by its
 numpy twins and compared byte for byte with the host mover and with each block's reference
 record, for every layout kind: bf16, fp16, fp8 with scales, MLA (keys only), MLA with fp8,
 and extra (speculative) layers. Pure units, no daemon, no GPU."""
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from kvswap.daemon.copy_plan import Placement, copy_plan, plan_arrays
-from kvswap.daemon.gpu_plan import (
+from kvswap.daemon.movers.copy_plan import Placement, copy_plan, plan_arrays
+from kvswap.daemon.movers.gpu_plan import (
     MAX_PIECE,
     AddressSpace,
     RegionRows,
@@ -30,7 +30,7 @@ from kvswap.daemon.gpu_plan import (
     scatter_rows,
     slot_runs,
 )
-from kvswap.daemon.host_mover import HostMover
+from kvswap.daemon.movers.host import HostMover
 from kvswap.daemon.registration import Registration
 from kvswap.protocol import CacheLayout, HostKVCache, InvalidLayout
 from test_copy_plan import EXAMPLE, Scenario, _fill_engine, _reference_records, _region_contents, scenarios

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from kvswap.daemon.launcher import parse_gpus, plan
+from kvswap.daemon.tools.launcher import parse_gpus, plan
 
 from support import free_port, wait_until
 
-LAUNCH = [sys.executable, "-m", "kvswap.daemon.admin", "launch"]
+LAUNCH = [sys.executable, "-m", "kvswap.daemon.tools.admin", "launch"]
 
 #: The stand-in api_server: pings every daemon through kvswap.protocol.Client on the ports the
 #: port scheme gives, records what it saw (pids from --pid-dir, each daemon's environment),

@@ -9,12 +9,12 @@ import os
 import subprocess
 import sys
 
-from kvswap.daemon.status import collect, human_bytes, human_duration, normalize_endpoint, parse_exposition
+from kvswap.daemon.tools.status import collect, human_bytes, human_duration, normalize_endpoint, parse_exposition
 from kvswap.protocol import CacheLayout, Client, HostKVCache
 
 from support import DaemonProcess, free_port
 
-STATUS = [sys.executable, "-m", "kvswap.daemon.admin", "status"]
+STATUS = [sys.executable, "-m", "kvswap.daemon.tools.admin", "status"]
 
 
 def run_status(*args: str) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from kvswap.backends import file_tools
 from kvswap.backends.file_store import FileBackend, FileStore
-from kvswap.daemon.admin import main
+from kvswap.daemon.tools.admin import main
 
 RECORD = 2048
 NS_A, NS_B = "aa" * 16, "bb" * 16

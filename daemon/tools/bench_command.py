@@ -1,4 +1,4 @@
-"""``kvswap bench``: the command line over :mod:`kvswap.daemon.bench`."""
+"""``kvswap bench``: the command line over :mod:`kvswap.daemon.tools.bench`."""
 
 from __future__ import annotations
 

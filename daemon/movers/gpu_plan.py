@@ -6,9 +6,9 @@ mapped allocations, which bytes each kernel copies (:func:`chunk_table` for the 
 :class:`RowPlan` for paddle's gather/index_put), how host slots group into 2D copies, and how a
 request splits into batches that fit the device staging. The numpy executors at the end run
 the tables and plans exactly as the device does, on host memory: they are the CPU twins the
-tests compare with :class:`~kvswap.daemon.host_mover.HostMover`.
+tests compare with :class:`~kvswap.daemon.movers.host.HostMover`.
 
-All of it derives from the one :func:`~kvswap.daemon.copy_plan.copy_plan` model: a region
+All of it derives from the one :func:`~kvswap.daemon.movers.copy_plan.copy_plan` model: a region
 is ``block_bytes`` at ``offset + block * stride`` of a handle; a record is every region's
 chunk in region order.
 """
@@ -25,7 +25,7 @@ import numpy as np
 from kvswap.protocol.cuda_export import HANDLE_KIND, IPC_HANDLE_BYTES
 from kvswap.protocol.errors import InvalidLayout
 
-from .copy_plan import PlanArrays, Placement
+from .copy_plan import Placement, PlanArrays
 
 T = TypeVar("T")
 

@@ -22,11 +22,11 @@ import numpy as np
 
 from kvswap.protocol import Busy, Client, HostKVCache, KvswapError
 
-from .copy_plan import Placement
-from .host_mover import HostMover
+from ..movers.copy_plan import Placement
+from ..movers.host import HostMover
 from .local_daemon import LocalDaemon
 from .presets import preset_layout
-from .staging import aligned_empty
+from ..staging import aligned_empty
 
 CHUNK = 4 * 1024 * 1024
 _O_DIRECT = getattr(os, "O_DIRECT", 0)

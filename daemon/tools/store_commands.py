@@ -12,7 +12,7 @@ import click
 
 from kvswap.backends import file_tools
 
-from .cli import BYTES
+from ..cli import BYTES
 
 T = TypeVar("T")
 
