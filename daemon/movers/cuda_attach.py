@@ -1,5 +1,9 @@
-"""Attaching a ``cuda_ipc`` registration: open the engine's handles, choose a GPU backend
-(paddle or CuPy) and build the :class:`~.device.DeviceMover` over them."""
+"""Attaching a ``cuda_ipc`` registration: open the engine's handles, choose a GPU framework
+(paddle or CuPy) to run the kernels and build the :class:`~.device.DeviceMover` over them.
+
+Naming: inside the movers a GPU framework is a *framework* ("backend" means a storage tier
+everywhere else). The operator-facing names keep the word for compatibility: the environment
+variable ``KVSWAP_GPU_BACKEND`` and ``Registration.attach(gpu_backend=...)``."""
 
 import contextlib
 import ctypes
@@ -30,7 +34,7 @@ from .kernels import ChunkKernels, CupyChunkRunner, PaddleKernels
 log = logging.getLogger(__name__)
 
 #: GPU frameworks a mover can run its kernels on, in the order ``auto`` tries them.
-BACKENDS: Final = ("paddle", "cupy")
+FRAMEWORKS: Final = ("paddle", "cupy")
 
 # -- attaching a cuda_ipc registration -----------------------------------------------------------
 
@@ -76,15 +80,15 @@ def import_paddle() -> Any:
     return paddle
 
 
-def backend_order(requested: str | None) -> list[str]:
-    """Which backends to try: the one asked for (``KVSWAP_GPU_BACKEND`` where none is), or
-    paddle then CuPy for ``auto``."""
+def framework_order(requested: str | None) -> list[str]:
+    """Which frameworks to try: the one asked for (``KVSWAP_GPU_BACKEND`` where none is; the
+    variable keeps its old name for compatibility), or paddle then CuPy for ``auto``."""
     choice = (requested or os.environ.get("KVSWAP_GPU_BACKEND") or "auto").lower()
     if choice == "auto":
-        return list(BACKENDS)
-    if choice not in BACKENDS:
-        raise InvalidLayout(f"unknown GPU backend {choice!r}; use one of auto, {', '.join(BACKENDS)}",
-                            backend=choice)
+        return list(FRAMEWORKS)
+    if choice not in FRAMEWORKS:
+        raise InvalidLayout(f"unknown GPU framework {choice!r} in KVSWAP_GPU_BACKEND; use one of auto, "
+                            f"{', '.join(FRAMEWORKS)}", framework=choice)
     return [choice]
 
 
@@ -111,18 +115,18 @@ def _make_kernels(name: str, device: Any, bases: list[int], sizes: list[int], pl
 
 
 def attach_cuda_ipc(layout: CacheLayout, placements: Sequence[Placement], handles: Sequence[dict[str, Any]],
-                    backend: str | None = None, staging_bytes: int = DEFAULT_DEVICE_STAGING_BYTES) -> DeviceMover:
+                    framework: str | None = None, staging_bytes: int = DEFAULT_DEVICE_STAGING_BYTES) -> DeviceMover:
     """Open the engine's ``cuda_ipc`` handles and build the mover over them.
 
     Checks, in order: every handle field; that the regions fit the sizes the engine declared;
-    that this machine has a CUDA driver, the engine's GPU and a GPU backend (paddle or CuPy);
+    that this machine has a CUDA driver, the engine's GPU and a GPU framework (paddle or CuPy);
     that every handle opens; that each mapped allocation is at least its declared size and
     holds its regions. Any failure closes what was opened and raises :class:`InvalidLayout`
     (or :class:`CudaError`, an ``unavailable``, for a device that fails mid-way).
     """
     specs = parse_cuda_handles(handles)
     check_fits(placements, [s.size for s in specs], layout.num_blocks)
-    order = backend_order(backend)
+    order = framework_order(framework)
     try:
         driver = CudaDriver.load()
     except CudaError as exc:
@@ -164,10 +168,11 @@ def attach_cuda_ipc(layout: CacheLayout, placements: Sequence[Placement], handle
                 kernels = _make_kernels(name, device, bases, sizes, placements, layout.record_bytes, batch)
                 break
             except Exception as exc:  # noqa: BLE001 - a framework may fail any way; try the next, say why
-                log.warning("GPU backend %s unusable: %s", name, exc)
+                log.warning("GPU framework %s unusable: %s", name, exc)
                 reasons.append(f"{name}: {getattr(exc, 'message', None) or exc}")
         if kernels is None:
-            raise InvalidLayout("no usable GPU backend: " + "; ".join(reasons), field="handles[0].kind",
+            # The reason code keeps its published name (see the module doc).
+            raise InvalidLayout("no usable GPU framework: " + "; ".join(reasons), field="handles[0].kind",
                                 reason="no_gpu_backend")
         copier = CudaCopier(device, kernels.stream)
     except BaseException:

@@ -181,7 +181,7 @@ class DeviceMover:
                     log.exception("closing the GPU mover: %s failed", getattr(step, "__qualname__", step))
 
     def describe(self) -> dict[str, Any]:
-        return {"mover": self.kind, "backend": self.kernels.name, "batch_records": self.batch_records, **self.info}
+        return {"mover": self.kind, "framework": self.kernels.name, "batch_records": self.batch_records, **self.info}
 
     # -- internals -------------------------------------------------------------------------------
 

@@ -7,17 +7,20 @@ numpy slicing's per-call overhead. Every address is bounds-checked against the m
 before the first byte moves. The plan-level ``gather``/``scatter`` keep numpy slicing: they
 take any plan and any arrays, and numpy checks every bound.
 
-Every mover offers the same two record-level calls the swap pipeline uses:
-``gather_blocks(block_ids, slots, live)`` (engine -> one staging slot per block) and
-``scatter_blocks(block_ids, slots, live)`` (back). ``live()`` is checked before each block so a
-request past its deadline stops touching engine memory. GPU movers implement the same calls
-with device copies from the same :func:`copy_plan`.
+It implements :class:`~.base.Mover`: ``gather_blocks(block_ids, slots, live)`` (engine -> one
+staging slot per block) and ``scatter_blocks(block_ids, slots, live)`` (back). ``live()`` is
+checked before each block so a request past its deadline stops touching engine memory. GPU
+movers implement the same calls with device copies from the same :func:`copy_plan`.
+
+This mover copies between memory the daemon can address directly (numpy arrays): it is the
+CPU twin the GPU movers are tested against, and what ``kvswap bench`` measures. An engine's
+shared-memory segment is moved by :class:`~.segment.SegmentMover`, which never maps it.
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -88,6 +91,13 @@ class HostMover:
                 for base, stride, nbytes, offset in self._chunks:
                     memmove(record + offset, base + block * stride, nbytes)
         return True
+
+    def pin_host(self, array: np.ndarray) -> bool:
+        """Host memory needs no pinning: nothing to do."""
+        return False
+
+    def describe(self) -> dict[str, Any]:
+        return {"mover": self.kind}
 
     def close(self) -> None:
         self.buffers = []

@@ -308,7 +308,7 @@ class PaddleKernels:
             tensor = paddle.utils.dlpack.from_dlpack(dl.capsule())
             if _paddle_ptr(tensor) != address:
                 raise InvalidLayout(f"this paddle ({paddle.__version__}) copies DLPack tensors instead of sharing "
-                                    "them; the paddle mover needs paddle >= 3.0 (or use the cupy backend)",
+                                    "them; the paddle mover needs paddle >= 3.0 (or use the cupy framework)",
                                     reason="paddle_dlpack_copies")
             self._dlviews.append(dl)
             self.views.append(tensor)
