@@ -78,11 +78,35 @@ class Store(abc.ABC):
     def delete_many(self, keys: Iterable[str]) -> int:
         return sum(1 for key in keys if self.delete(key))
 
+    # -- optional capabilities: no-op defaults, so the daemon never asks ``hasattr`` ----------
+
+    def scan(self) -> int:
+        """Rebuild what the store knows from its medium (the file tier's directory scan);
+        return the records found. Stores that keep no index have nothing to scan."""
+        return 0
+
+    def maintain(self, now: float | None = None) -> None:
+        """Periodic upkeep (eviction, leadership, rescans), called from the daemon's
+        maintenance thread."""
+
+    def stats(self) -> dict[str, Any]:
+        """What ``stats`` and the metrics collector report about this store: at least
+        :meth:`usage`, plus whatever counters the tier keeps."""
+        return dict(self.usage())
+
+    def free_bytes(self) -> int | None:
+        """Free bytes on the medium, where it has a file system to ask (else None)."""
+        return None
+
 
 class Backend(abc.ABC):
     """A tier's root. ``open_store`` is called once per registered namespace."""
 
     tier: str = ""
+    #: Where the tier lives, for stats and logs (remote tiers: the URL without credentials).
+    url: str | None = None
+    #: The tier's fixed byte budget, where it has one (the host tier).
+    capacity_bytes: int | None = None
 
     @abc.abstractmethod
     def open_store(self, namespace: str, description: dict[str, Any], record_bytes: int) -> Store:
@@ -90,3 +114,19 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         """Release the tier."""
+
+    # -- optional capabilities: no-op defaults, so the daemon never asks ``hasattr`` ----------
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the tier is reachable now, as last seen (local tiers always are)."""
+        return True
+
+    def probe(self) -> bool:
+        """Check the tier's health now (may block for a connect timeout); returns
+        :attr:`healthy`. Local tiers have nothing to probe."""
+        return True
+
+    def register_buffer(self, buf: Any) -> None:
+        """Let the tier transfer straight from (or into) ``buf``, a staging arena the daemon
+        keeps for its lifetime. Tiers without zero-copy transfers ignore it."""

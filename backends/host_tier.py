@@ -59,7 +59,7 @@ class HostBackend(Backend):
                 raise ValueError(f"namespace {namespace} holds {store.record_bytes}-byte records, not {record_bytes}")
             return store
 
-    def check(self) -> list[str]:
+    def problems(self) -> list[str]:
         """Compare the byte count and per-namespace counts with the entries; return the
         mismatches (empty when consistent). For stress tests."""
         problems = []
@@ -219,3 +219,9 @@ class HostStore(Store):
     def usage(self) -> dict[str, int]:
         with self.backend._lock:
             return {"records": self._records, "bytes": self._bytes}
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.usage())
+        out.update(hits=self.hits, misses=self.misses, evictions=self.evictions, corrupt=self.corrupt,
+                   evicted_capacity=self.evictions)
+        return out

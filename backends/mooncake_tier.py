@@ -132,7 +132,7 @@ class MooncakeBackend(GatedHealth, Backend):
 
     # -- health ---------------------------------------------------------------------------------
 
-    def check(self) -> bool:
+    def probe(self) -> bool:
         """Probe the master now (see :meth:`HealthGate.check`); returns ``healthy``."""
         return self.gate.check()
 

@@ -66,7 +66,7 @@ class RedisBackend(GatedHealth, Backend):
 
     # -- health ---------------------------------------------------------------------------------
 
-    def check(self) -> bool:
+    def probe(self) -> bool:
         """Probe the server now (see :meth:`HealthGate.check`); returns ``healthy``."""
         return self.gate.check()
 

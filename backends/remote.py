@@ -12,7 +12,7 @@
 Parsing is pure (:func:`parse_remote_url`); a URL that is not one of these raises
 :class:`RemoteConfigError` (a ``ValueError``) naming the valid forms, and so does a form whose
 client package is not installed. Nothing connects until the first operation or
-``backend.check()``, so a daemon starts while its remote store is down and the tier joins when
+``backend.probe()``, so a daemon starts while its remote store is down and the tier joins when
 the store comes up.
 
 Records in a remote store are the same bytes as a record file (header + payload, see
@@ -502,6 +502,11 @@ class RemoteStoreBase(GatedHealth, Store):
         with self._seen_lock:
             n = len(self._seen)
         return {"records": n, "bytes": n * self.stored_bytes}
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.usage())
+        out.update(healthy=self.healthy, failures=self.failures, reconnects=self.reconnects, corrupt=self.corrupt)
+        return out
 
     def _remember(self, keys) -> None:
         with self._seen_lock:

@@ -101,13 +101,11 @@ class StoreCollector:
         counters = {k: CounterMetricFamily(name, doc, labels=["tier"]) for k, (name, doc) in self.COUNTERS.items()}
         evictions = CounterMetricFamily("kvswap_evictions", "Records evicted, by reason.", labels=["tier", "reason"])
         for store in self.stores():
-            stats_of = getattr(store, "stats", None)
-            if stats_of is not None:
-                stats = stats_of()
-            else:  # host and remote stores keep plain attributes
-                stats = {"evicted_capacity": getattr(store, "evictions", 0)}
-            if "free_bytes" not in stats and hasattr(store, "free_bytes"):
-                stats["free_bytes"] = store.free_bytes() or 0
+            stats = store.stats()
+            if "free_bytes" not in stats:
+                free = store.free_bytes()
+                if free is not None:
+                    stats["free_bytes"] = free
             for key, family in gauges.items():
                 if key in stats:
                     family.add_metric([store.tier], float(stats[key]))

@@ -1,5 +1,5 @@
-"""An engine's registered cache: its layout, its memory mapped into the daemon, and the
-mover that copies blocks in and out of it.
+"""An engine's registered cache: its layout, its memory mapped into the daemon, the mover
+that copies blocks in and out of it, and the leases requests hold on it.
 
 Everything an engine sends here is checked before anything is mapped for use: the region
 list must be exactly the layout's, every handle must be large enough for every block of every
@@ -8,16 +8,18 @@ region placed in it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from kvswap.protocol.errors import InvalidLayout, OutOfRange
+from kvswap.protocol.errors import InvalidLayout, NotRegistered, OutOfRange
 from kvswap.protocol.layout import CacheLayout
 from kvswap.protocol.shm import SharedSegment
 
+from .movers.base import Mover
 from .movers.copy_plan import Placement
 from .movers.gpu_plan import check_fits
 from .movers.host import HostMover
@@ -25,6 +27,9 @@ from .movers.host import HostMover
 #: Memory handle kinds a registration may use: POSIX shared memory (CPU engines, tests, the
 #: demo) and CUDA IPC (an engine's GPU cache; see docs/gpu.md).
 HANDLE_KINDS = ("shm", "cuda_ipc")
+
+if TYPE_CHECKING:
+    from .tiers import NamespaceTiers
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +41,36 @@ def _int_field(entry: dict[str, Any], name: str, where: str, minimum: int = 0) -
     return value
 
 
+class Lease:
+    """A request's hold on a registration: while any lease is held the registration's memory
+    stays mapped. Taken and released on the event loop; release is idempotent."""
+
+    __slots__ = ("registration", "_held")
+
+    def __init__(self, registration: "Registration") -> None:
+        self.registration = registration
+        self._held = True
+
+    @property
+    def tiers(self) -> "NamespaceTiers":
+        assert self.registration.tiers is not None
+        return self.registration.tiers
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.registration._leave()
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 class Registration:
     def __init__(self, layout: CacheLayout, placements: list[Placement], segments: list[SharedSegment],
-                 mover: Any, pid: int) -> None:
+                 mover: Mover, pid: int) -> None:
         self.layout = layout
         self.namespace = layout.fingerprint()
         self.placements = placements
@@ -47,6 +79,11 @@ class Registration:
         #: record-level interface either way.
         self.mover = mover
         self.pid = pid
+        #: The namespace's stores, set when the registration is installed.
+        self.tiers: NamespaceTiers | None = None
+        self._users = 0
+        self._closing = False
+        self._idle: asyncio.Event | None = None
 
     @property
     def record_bytes(self) -> int:
@@ -120,6 +157,34 @@ class Registration:
             placements.append(Placement(region.name, handle, offset, stride, region.block_bytes, region.record_offset))
         return placements
 
+    # -- leases (event loop only) ---------------------------------------------------------------
+
+    def lease(self) -> Lease:
+        if self._closing:
+            raise NotRegistered("the registration was released", namespace=self.namespace)
+        self._users += 1
+        return Lease(self)
+
+    def _leave(self) -> None:
+        self._users -= 1
+        if self._users == 0 and self._idle is not None:
+            self._idle.set()
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    @property
+    def users(self) -> int:
+        return self._users
+
+    async def drain(self) -> None:
+        """Refuse new leases and wait until every lease held is released."""
+        self._closing = True
+        if self._users:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
+
     # -- use ----------------------------------------------------------------------------------
 
     def check_blocks(self, block_ids: Sequence[int]) -> None:
@@ -158,9 +223,8 @@ class Registration:
         }
 
     def _describe_memory(self) -> dict[str, Any]:
-        describe = getattr(self.mover, "describe", None)
-        if describe is None:  # the host mover over shared memory
-            return {"handles": [{"kind": "shm", "name": s.name, "size": s.size} for s in self.segments],
-                    "mover": {"mover": "host"}}
-        mover = dict(describe())
-        return {"handles": mover.pop("handles", []), "mover": mover}
+        mover = dict(self.mover.describe())
+        handles = mover.pop("handles", None)
+        if handles is None:  # a mover over shared memory: the segments say what is mapped
+            handles = [{"kind": "shm", "name": s.name, "size": s.size} for s in self.segments]
+        return {"handles": handles, "mover": mover}

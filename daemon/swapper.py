@@ -29,13 +29,15 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 from kvswap.backends.base import Backend, GetStatus, Store
-from kvswap.protocol.errors import Busy, KvswapError, NotRegistered, Timeout, TooLarge
+from kvswap.protocol.errors import KvswapError, NotRegistered, Timeout
 
 from .config import Config
 from .metrics import Metrics
-from .registration import Registration
-from .staging import Slot, StagingPool
+from .registrar import Registrar
+from .registration import Lease, Registration
+from .staging import Slot, Staging
 from .tiers import Locations, NamespaceTiers
+from .upkeep import Upkeep
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -72,29 +74,24 @@ class InflightWrite:
 
 
 class Swapper:
+    """The swap pipeline. Its parts: the :class:`~.registrar.Registrar` (whose cache, and the
+    leases on it), :class:`~.staging.Staging` (slots) and :class:`~.upkeep.Upkeep` (background
+    work); the swapper itself runs swap_out, swap_in, lookup, delete, clear and flush."""
+
     def __init__(self, config: Config, backends: dict[str, Backend], locations: Locations, metrics: Metrics) -> None:
         self.config = config
         self.backends = backends
         self.locations = locations
         self.metrics = metrics
-        self.registration: Registration | None = None
-        #: The registered namespace's stores, one per tier (kept after unregister so a
-        #: restarting engine of the same layout finds its index warm).
-        self.tiers: NamespaceTiers | None = None
-        self._namespaces: dict[str, NamespaceTiers] = {}
+        self.staging = Staging(config.write_staging_bytes, config.read_staging_bytes, backends.values(), metrics)
+        self.registrar = Registrar(backends, locations, self.staging, metrics)
+        self.upkeep = Upkeep(backends.values(), self.registrar, config.remote_check_interval_s)
+        self.registrar.on_open_store = self.upkeep.start_scan
         self._inflight: dict[str, InflightWrite] = {}
         self._write_tasks: set[asyncio.Task] = set()
-        self._engine_ops = 0  # requests now touching the registered engine memory
-        self._engine_idle: asyncio.Event | None = None
-        self._write_staging: StagingPool | None = None
-        self._read_staging: StagingPool | None = None
-        self._read_slot_freed: asyncio.Condition | None = None
         self._write_pool: ThreadPoolExecutor | None = None
         self._read_pool: ThreadPoolExecutor | None = None
         self._copy_pool: ThreadPoolExecutor | None = None
-        self._maintenance_pool: ThreadPoolExecutor | None = None
-        self._health_pool: ThreadPoolExecutor | None = None
-        self._last_health_check = 0.0
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -103,185 +100,68 @@ class Swapper:
         self._read_pool = ThreadPoolExecutor(self.config.read_threads, thread_name_prefix="kvswap-read")
         # Gathers and scatters are memory copies; one thread keeps them ordered and off the loop.
         self._copy_pool = ThreadPoolExecutor(1, thread_name_prefix="kvswap-copy")
-        # Scans and eviction can take seconds on big directories; they get their own thread.
-        self._maintenance_pool = ThreadPoolExecutor(1, thread_name_prefix="kvswap-maintain")
-        # Remote health probes can block for a connect timeout; they must not hold up eviction.
-        self._health_pool = ThreadPoolExecutor(1, thread_name_prefix="kvswap-health")
-        self.metrics.watch_stores(lambda: [s for ns in self._namespaces.values() for s in ns])
-        self._engine_idle = asyncio.Event()
-        self._engine_idle.set()
-        self._read_slot_freed = asyncio.Condition()
+        self.registrar.start()
+        self.upkeep.start()
+        self.metrics.watch_stores(lambda: list(self.registrar.open_stores()))
         for tier, backend in self.backends.items():
             self.metrics.stored_records.labels(tier=tier).set_function(lambda t=tier: self._usage(t, "records"))
             self.metrics.stored_bytes.labels(tier=tier).set_function(lambda t=tier: self._usage(t, "bytes"))
-            healthy = getattr(backend, "healthy", None)
-            self.metrics.tier_healthy.labels(tier=tier).set_function(
-                (lambda b=backend: float(b.healthy)) if healthy is not None else (lambda: 1.0))
+            self.metrics.tier_healthy.labels(tier=tier).set_function(lambda b=backend: float(b.healthy))
 
     async def stop(self) -> None:
-        await self.release_registration("shutdown")
-        for pool in (self._copy_pool, self._read_pool, self._write_pool, self._maintenance_pool, self._health_pool):
+        await self.registrar.stop()
+        for pool in (self._copy_pool, self._read_pool, self._write_pool):
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=False)
-        for tiers in self._namespaces.values():
-            tiers.close()
+        self.upkeep.stop()
+        self.registrar.close_stores()
         for backend in self.backends.values():
             backend.close()
+
+    @property
+    def registration(self) -> Registration | None:
+        return self.registrar.current
 
     @property
     def pending_writes(self) -> int:
         return len(self._inflight)
 
+    async def check_engine(self) -> None:
+        await self.upkeep.check_engine()
+
+    async def maintain(self) -> None:
+        await self.upkeep.maintain()
+
     async def _run(self, pool: ThreadPoolExecutor | None, fn: Callable[..., T], *args: Any) -> T:
         assert pool is not None, "Swapper.start() was not called"
         return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
 
-    # -- registration ---------------------------------------------------------------------------
-
-    async def register(self, layout: dict[str, Any], handles: Sequence[dict], regions: Sequence[dict],
-                       pid: int) -> dict[str, Any]:
-        registration = await self._run(self._copy_pool, Registration.attach, layout, handles, regions, pid)
-        try:
-            tiers = self._namespaces.get(registration.namespace)
-            if tiers is None:
-                tiers = await self._run(self._write_pool, self._open_namespace, registration)
-                self._namespaces[registration.namespace] = tiers
-                for store in tiers:
-                    self._start_scan(store)
-            await self._make_staging(registration.record_bytes)
-            pin = getattr(registration.mover, "pin_host", None)
-            if pin is not None:  # GPU movers: page-lock staging now, not on the first swap
-                for pool in (self._write_staging, self._read_staging):
-                    await self._run(self._copy_pool, pin, pool.arena)  # type: ignore[union-attr]
-        except BaseException:
-            registration.close()
-            raise
-        await self.release_registration("replaced")
-        self.registration, self.tiers = registration, tiers
-        # One namespace at a time: another layout's stores give up their eviction lock (so a
-        # daemon still registered for it can take over) and their metrics. Writes still in
-        # flight keep their own reference and finish.
-        for namespace in [ns for ns in self._namespaces if ns != registration.namespace]:
-            self._namespaces.pop(namespace).close()
-        self.metrics.registered.set(1)
-        self.metrics.registrations.labels(event="registered").inc()
-        log.info("registered namespace %s for pid %d: %d regions, %d blocks of %d bytes", registration.namespace,
-                 pid, len(registration.placements), registration.layout.num_blocks, registration.record_bytes)
-        return {"namespace": registration.namespace, "record_bytes": registration.record_bytes,
-                "write_slots": self._write_staging.capacity if self._write_staging else 0}
-
-    def _open_namespace(self, registration: Registration) -> NamespaceTiers:
-        stores = {tier: backend.open_store(registration.namespace, registration.layout.to_wire(),
-                                           registration.record_bytes)
-                  for tier, backend in self.backends.items()}
-        return NamespaceTiers(stores, self.locations, self.metrics)
-
-    def _start_scan(self, store: Store) -> None:
-        scan = getattr(store, "scan", None)
-        if scan is None:
-            return
-
-        def done(fut: asyncio.Future) -> None:
-            if fut.exception() is not None:
-                log.error("index scan of %s failed: %s", store.tier, fut.exception())
-            else:
-                log.info("index scan of %s found %d records", store.tier, fut.result())
-
-        asyncio.ensure_future(self._run(self._maintenance_pool, scan)).add_done_callback(done)
-
-    async def maintain(self) -> None:
-        """Background storage upkeep (eviction, leadership, rescans) for every open store, and
-        a health probe of remote tiers every ``remote_check_interval_s``: an unhealthy tier
-        recovers even when no request touches it."""
-        now = time.monotonic()
-        if now - self._last_health_check >= self.config.remote_check_interval_s:
-            self._last_health_check = now
-            for backend in self.backends.values():
-                check = getattr(backend, "check", None)
-                if check is not None and hasattr(backend, "healthy"):
-                    asyncio.ensure_future(self._run(self._health_pool, check)).add_done_callback(_log_failure)
-        for tiers in list(self._namespaces.values()):
-            for store in tiers:
-                maintain = getattr(store, "maintain", None)
-                if maintain is not None:
-                    await self._run(self._maintenance_pool, maintain)
-
-    async def _make_staging(self, record_bytes: int) -> None:
-        if self._write_staging is None or self._write_staging.record_bytes != record_bytes:
-            # Old pools stay alive until their last slot is released, then go with them.
-            self._write_staging = await self._run(self._copy_pool, StagingPool, record_bytes,
-                                                  self.config.write_staging_bytes, "write")
-            self._read_staging = await self._run(self._copy_pool, StagingPool, record_bytes,
-                                                 self.config.read_staging_bytes, "read")
-            self._register_with_remote(self._write_staging, self._read_staging)
-            self.metrics.staging_slots.clear()
-            for pool in (self._write_staging, self._read_staging):
-                self.metrics.staging_slots.labels(pool=pool.name, state="free").set_function(
-                    lambda p=pool: p.free)
-                self.metrics.staging_slots.labels(pool=pool.name, state="used").set_function(
-                    lambda p=pool: p.in_use)
-
-    def _register_with_remote(self, *pools: StagingPool) -> None:
-        """Tiers that can transfer straight from registered memory (Mooncake) get the staging
-        arenas, so records move without an extra copy."""
-        for backend in self.backends.values():
-            register = getattr(backend, "register_buffer", None)
-            if register is None:
-                continue
-            for pool in pools:
-                try:
-                    register(pool.arena)
-                except Exception as exc:  # zero-copy is an optimisation; copying still works
-                    log.warning("cannot register staging with the %s tier: %s", backend.tier, exc)
-
     def _usage(self, tier: str, what: str) -> float:
-        store = self.tiers.stores.get(tier) if self.tiers is not None else None
+        registration = self.registrar.current
+        store = registration.tiers.stores.get(tier) if registration is not None and registration.tiers else None
         return store.usage()[what] if store is not None else 0
 
-    async def release_registration(self, reason: str) -> bool:
-        """Stop using the engine's memory: wait for requests copying from or into it, then unmap.
-        Records already copied to staging are still written."""
-        registration = self.registration
-        if registration is None:
-            return False
-        self.registration = None
-        assert self._engine_idle is not None
-        await self._engine_idle.wait()
-        registration.close()
-        # Reported after the unmap, so a watcher that sees 0 knows the memory is let go.
-        self.metrics.registered.set(0)
-        self.metrics.registrations.labels(event=reason).inc()
-        log.info("released registration of namespace %s (pid %d): %s", registration.namespace, registration.pid, reason)
-        return True
-
-    def _require(self) -> tuple[Registration, NamespaceTiers]:
-        if self.registration is None or self.tiers is None:
-            raise NotRegistered("no cache is registered; send register first")
-        return self.registration, self.tiers
-
-    async def _using_engine(self, op: Callable[[], Awaitable[T]]) -> T:
-        """Run ``op`` while counting it as a user of the engine's memory."""
-        assert self._engine_idle is not None
-        self._engine_ops += 1
-        self._engine_idle.clear()
+    async def _holding(self, lease: Lease, work: Awaitable[T]) -> T:
+        """Run ``work``, then let go of ``lease``: the registration stays mapped until the
+        work's last copy has returned."""
         try:
-            return await op()
+            return await work
         finally:
-            self._engine_ops -= 1
-            if self._engine_ops == 0:
-                self._engine_idle.set()
-
-    async def check_engine(self) -> None:
-        registration = self.registration
-        if registration is not None and not await self._run(self._read_pool, registration.engine_alive):
-            log.warning("engine pid %d is gone; releasing its cache mapping", registration.pid)
-            await self.release_registration("engine_exited")
+            lease.release()
 
     # -- swap_out -------------------------------------------------------------------------------
 
     async def swap_out(self, block_ids: Sequence[int], keys: Sequence[str], wait: str, deadline: Deadline,
                        partial: bool = False) -> dict[str, Any]:
-        registration, tiers = self._require()
+        lease = self.registrar.lease()
+        # Shielded with its lease: a caller that gives up must not let the registration be
+        # unmapped while a copy thread still reads from it.
+        return await asyncio.shield(self._holding(lease, self._swap_out(lease, block_ids, keys, wait, deadline,
+                                                                         partial)))
+
+    async def _swap_out(self, lease: Lease, block_ids: Sequence[int], keys: Sequence[str], wait: str,
+                        deadline: Deadline, partial: bool) -> dict[str, Any]:
+        registration, tiers = lease.registration, lease.tiers
         registration.check_blocks(block_ids)
         status: list[str] = ["exists"] * len(keys)
         todo: list[int] = []
@@ -293,7 +173,7 @@ class Swapper:
             todo.append(i)
         if todo:
             todo = await self._run(self._read_pool, _not_stored, tiers, keys, todo)
-        slots = self._take_write_slots(len(todo), partial)
+        slots = self.staging.take_write(len(todo), partial, len(self._inflight))
         for i in todo[len(slots):]:
             status[i] = "skipped"  # partial: no staging left for these; the engine may retry them
         todo = todo[: len(slots)]
@@ -308,11 +188,9 @@ class Swapper:
             items = [(key, memoryview(entry.slot.view)) for key, entry in entries[start:stop]]
             return self._write_pool.submit(_write_chunk, tiers, items)  # type: ignore[union-attr]
 
-        async def copy_out() -> tuple[list[tuple[int, int, Future]], BaseException | None]:
-            return await self._run(self._copy_pool, _gather_and_submit, registration,
-                                   [block_ids[i] for i in todo], [e.slot.view for _, e in entries], deadline, submit)
-
-        chunks, failure = await asyncio.shield(self._using_engine(copy_out))
+        chunks, failure = await self._run(self._copy_pool, _gather_and_submit, registration,
+                                          [block_ids[i] for i in todo], [e.slot.view for _, e in entries], deadline,
+                                          submit)
         copied = chunks[-1][1] if chunks else 0
         # Records not gathered (deadline passed, or a failure) are dropped; the rest are
         # readable from staging until their write ends.
@@ -338,21 +216,6 @@ class Swapper:
             self.metrics.blocks.labels(op="swap_out", status=s).inc()
         counts = {name: status.count(name) for name in ("queued", "stored", "exists", "skipped")}
         return {"status": status, **counts, "failed": len(status) - sum(counts.values())}
-
-    def _take_write_slots(self, count: int, partial: bool) -> list[Slot]:
-        pool = self._write_staging
-        assert pool is not None
-        if count > pool.capacity and not partial:
-            raise TooLarge(f"swap_out of {count} new blocks exceeds the write staging of {pool.capacity} records",
-                           blocks=count, limit=pool.capacity)
-        slots = pool.try_take(count)
-        if slots is None and partial:
-            slots = pool.try_take(min(count, pool.free)) or []
-        if slots is None:
-            self.metrics.write_failures.labels(code="busy").inc(count)
-            raise Busy("write staging is full; retry after pending writes finish", needed=count, free=pool.free,
-                       pending_writes=len(self._inflight))
-        return slots
 
     def _drop_inflight(self, key: str, entry: InflightWrite) -> None:
         if self._inflight.get(key) is entry:
@@ -388,14 +251,20 @@ class Swapper:
     # -- swap_in ----------------------------------------------------------------------------------
 
     async def swap_in(self, keys: Sequence[str], block_ids: Sequence[int], deadline: Deadline) -> dict[str, Any]:
-        registration, tiers = self._require()
+        lease = self.registrar.lease()
+        return await asyncio.shield(self._holding(lease, self._swap_in(lease, keys, block_ids, deadline)))
+
+    async def _swap_in(self, lease: Lease, keys: Sequence[str], block_ids: Sequence[int],
+                       deadline: Deadline) -> dict[str, Any]:
+        registration, tiers = lease.registration, lease.tiers
         registration.check_blocks(block_ids)
         status: list[str] = [GetStatus.MISS.value] * len(keys)
-        pool = self._read_staging
-        assert pool is not None
         # Waves of at most half the read staging, so concurrent swap_ins share it; each wave
         # takes its slots all at once (no two requests can each hold part and wait for more).
-        wave = max(1, min(READ_WAVE, pool.capacity // 2))
+        wave = min(READ_WAVE, self.staging.read_wave)
+        # The host mover scatters each record on its read thread as soon as it is read (reads
+        # and copies overlap); GPU movers want the wave in one call (one upload, one kernel).
+        per_record = not registration.mover.batches_scatter
 
         async def load(indices: list[int]) -> None:
             slots: list[Slot] = []
@@ -415,12 +284,8 @@ class Swapper:
                         sources[i] = entry.slot
                     except KvswapError:
                         pass  # its copy was abandoned: a miss
-                slots_read = await self._take_read_slots(pool, len(to_read))
+                slots_read = await self.staging.take_read(len(to_read))
                 slots.extend(slots_read)
-                # The host mover scatters each record on its read thread as soon as it is read
-                # (reads and copies overlap); GPU movers want the wave in one call (one upload,
-                # one kernel), after the reads.
-                per_record = not getattr(registration.mover, "batches_scatter", False)
                 results = await asyncio.gather(*(
                     self._run(self._read_pool, _read_record, tiers, keys[i], slot.view,
                               (registration, block_ids[i], deadline) if per_record else None)
@@ -435,16 +300,10 @@ class Swapper:
                 for i in order:
                     status[i] = "loaded" if ok else "error"
             finally:
-                for slot in slots:
-                    slot.release()
-                async with self._read_slot_freed:  # type: ignore[union-attr]
-                    self._read_slot_freed.notify_all()  # type: ignore[union-attr]
+                await self.staging.release(slots)
 
-        async def load_all() -> None:
-            for start in range(0, len(keys), wave):
-                await load(list(range(start, min(start + wave, len(keys)))))
-
-        await self._using_engine(load_all)
+        for start in range(0, len(keys), wave):
+            await load(list(range(start, min(start + wave, len(keys)))))
         loaded = 0
         for s in status:
             if s != "loaded":
@@ -455,21 +314,17 @@ class Swapper:
         self.metrics.bytes.labels(direction="in").inc(status.count("loaded") * registration.record_bytes)
         return {"loaded": loaded, "status": status}
 
-    async def _take_read_slots(self, pool: StagingPool, count: int) -> list[Slot]:
-        if count == 0:
-            return []
-        assert self._read_slot_freed is not None
-        async with self._read_slot_freed:
-            while True:
-                taken = pool.try_take(count)
-                if taken is not None:
-                    return taken
-                await self._read_slot_freed.wait()
-
     # -- lookup, delete, clear, flush ---------------------------------------------------------------
 
+    def _tiers(self) -> NamespaceTiers:
+        """The registered namespace's stores, for requests that do not touch engine memory."""
+        registration = self.registrar.current
+        if registration is None or registration.tiers is None:
+            raise NotRegistered("no cache is registered; send register first")
+        return registration.tiers
+
     async def lookup(self, keys: Sequence[str]) -> dict[str, Any]:
-        _, tiers = self._require()
+        tiers = self._tiers()
         # In-flight writes count as stored: a swap_in after this lookup will find them. The
         # in-memory answer covers the common case on the loop itself (no thread hop); only a
         # key no tier's index knows goes to the tiers themselves, on a read thread.
@@ -482,7 +337,7 @@ class Swapper:
         return {"hits": hits}
 
     async def delete(self, keys: Sequence[str]) -> dict[str, Any]:
-        _, tiers = self._require()
+        tiers = self._tiers()
         # A delete must not be undone by a write still landing: wait for those first.
         pending = [self._inflight[k].done for k in keys if k in self._inflight]
         if pending:
@@ -491,7 +346,7 @@ class Swapper:
         return {"deleted": deleted}
 
     async def clear(self) -> dict[str, Any]:
-        _, tiers = self._require()
+        tiers = self._tiers()
         await self.flush()
         deleted = await self._run(self._write_pool, _in_every_tier, tiers, lambda s: s.clear())
         return {"deleted": deleted}
@@ -506,7 +361,7 @@ class Swapper:
         return {"flushed": len(tasks)}
 
     def stats(self) -> dict[str, Any]:
-        registration = self.registration
+        registration = self.registrar.current
         out: dict[str, Any] = {
             "registered": registration is not None,
             "pending_writes": len(self._inflight),
@@ -514,14 +369,12 @@ class Swapper:
         }
         if registration is not None:
             out["registration"] = registration.describe()
-        if self.tiers is not None:
-            out["tiers"] = {tier: _tier_stats(store, self.backends[tier]) for tier, store in self.tiers.stores.items()}
+            if registration.tiers is not None:
+                out["tiers"] = {tier: _tier_stats(store, self.backends[tier])
+                                for tier, store in registration.tiers.stores.items()}
             out["locations"] = {"store": list(self.locations.store), "retrieve": list(self.locations.retrieve),
                                 "promote_to_host": self.locations.promote}
-        for pool in (self._write_staging, self._read_staging):
-            if pool is not None:
-                out[f"{pool.name}_staging"] = {"slots": pool.capacity, "free": pool.free,
-                                               "slot_bytes": pool.slot_bytes}
+        out.update(self.staging.stats())
         return out
 
 
@@ -545,22 +398,12 @@ def _in_every_tier(tiers: NamespaceTiers, op: Callable[[Store], int]) -> int:
 
 
 def _tier_stats(store: Store, backend: Backend) -> dict[str, Any]:
-    stats = getattr(store, "stats", None)
-    out: dict[str, Any] = dict(stats() if stats is not None else store.usage())
-    for name in ("healthy", "failures", "reconnects", "corrupt", "hits", "misses", "evictions"):
-        value = getattr(store, name, None)
-        if isinstance(value, (bool, int)) and name not in out:
-            out[name] = value
-    if hasattr(backend, "capacity_bytes"):
+    out: dict[str, Any] = dict(store.stats())
+    if backend.capacity_bytes is not None:
         out["capacity_bytes"] = backend.capacity_bytes
-    if hasattr(backend, "url"):
+    if backend.url is not None:
         out["url"] = backend.url
     return out
-
-
-def _log_failure(fut: "asyncio.Future") -> None:
-    if not fut.cancelled() and fut.exception() is not None:
-        log.warning("background task failed: %s", fut.exception())
 
 
 #: Blocks gathered per mover call before their writes are submitted: small enough that the

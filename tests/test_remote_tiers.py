@@ -288,7 +288,7 @@ def remote(request):
     else:
         master = request.getfixturevalue("mooncake_master")
         backend = open_remote(master.url(segment="64MiB"))
-        assert backend.check(), backend.gate.last_error
+        assert backend.probe(), backend.gate.last_error
 
         def raw_set(k, v):  # the adapter's own client, used directly (upsert replaces)
             assert backend._client.upsert(k, v) == 0
@@ -397,7 +397,7 @@ def test_mooncake_registered_buffers_move_without_a_copy(mooncake_master):
         staging = np.zeros(4 * RECORD_BYTES, dtype=np.uint8)  # stands in for the daemon's staging pool
         view = memoryview(staging)
         view[:RECORD_BYTES] = payload(6)
-        backend.check()
+        backend.probe()
         backend.register_buffer(staging)
         store.put("zc", view[:RECORD_BYTES])
         assert store.get_into("zc", view[RECORD_BYTES:2 * RECORD_BYTES]) is GetStatus.LOADED
@@ -527,10 +527,10 @@ def test_tier_starts_while_the_server_is_down(kind, tmp_path):
         store = backend.open_store(new_namespace(), {}, RECORD_BYTES)
         with pytest.raises(Unavailable):
             store.put("k", payload(11))
-        assert backend.check() is False and backend.gate.probes == 1  # backoff: check did not probe
+        assert backend.probe() is False and backend.gate.probes == 1  # backoff: check did not probe
         server.start()
         clock.advance(1.0)
-        assert backend.check() is True and backend.reconnects == 0
+        assert backend.probe() is True and backend.reconnects == 0
         store.put("k", payload(11))
         out = out_buffer()
         assert store.get_into("k", out) is GetStatus.LOADED and bytes(out) == bytes(payload(11))
