@@ -48,8 +48,8 @@ _PR_SET_PDEATHSIG: Final = 1
 
 
 @dataclass(frozen=True)
-class Slot:
-    """What one GPU's daemon gets."""
+class DaemonSpec:
+    """What one GPU's daemon gets: its ports and storage directory (not a staging slot)."""
 
     index: int
     gpu: str
@@ -58,7 +58,7 @@ class Slot:
     storage_dir: str
 
 
-def plan(gpus: Sequence[str], base_cache_queue_port: int, base_metrics_port: int, storage_dir: str) -> list[Slot]:
+def plan(gpus: Sequence[str], base_cache_queue_port: int, base_metrics_port: int, storage_dir: str) -> list[DaemonSpec]:
     """The port scheme: the i-th GPU listed gets ``base + i`` for both ports.
 
     >>> [(s.gpu, s.cache_queue_port, s.metrics_port) for s in plan(["4", "5"], 55500, 55600, "/s")]
@@ -86,7 +86,7 @@ def plan(gpus: Sequence[str], base_cache_queue_port: int, base_metrics_port: int
     except (KeyError, IndexError, ValueError) as exc:
         raise ValueError(f"--storage-dir {storage_dir!r}: only {{gpu}} and {{index}} may appear in braces "
                          f"({exc})") from None
-    return [Slot(i, gpu, cq[i], mp[i], dirs[i]) for i, gpu in enumerate(gpus)]
+    return [DaemonSpec(i, gpu, cq[i], mp[i], dirs[i]) for i, gpu in enumerate(gpus)]
 
 
 def parse_gpus(value: str) -> list[str]:
@@ -123,7 +123,7 @@ class Child:
 
 @dataclass
 class Launcher:
-    slots: list[Slot]
+    specs: list[DaemonSpec]
     server_argv: list[str]
     host: str = "127.0.0.1"
     daemon_args: list[str] = field(default_factory=list)
@@ -153,8 +153,8 @@ class Launcher:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
     def _run(self) -> int:
-        for slot in self.slots:
-            self._start_daemon(slot)
+        for spec in self.specs:
+            self._start_daemon(spec)
         interrupted, waiting = self._wait_ready()
         if interrupted is not None:
             log.info("interrupted by %s before the server started", signal.Signals(interrupted).name)
@@ -197,24 +197,24 @@ class Launcher:
 
     # -- daemons -------------------------------------------------------------------------------------
 
-    def _start_daemon(self, slot: Slot) -> None:
-        argv = [*self.daemon_argv, "--host", self.host, "--cache-queue-port", str(slot.cache_queue_port),
-                "--metrics-port", str(slot.metrics_port), "--storage-dir", slot.storage_dir, *self.daemon_args]
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=slot.gpu)
-        child = Child(f"kvswapd gpu {slot.gpu}", argv, env)
+    def _start_daemon(self, spec: DaemonSpec) -> None:
+        argv = [*self.daemon_argv, "--host", self.host, "--cache-queue-port", str(spec.cache_queue_port),
+                "--metrics-port", str(spec.metrics_port), "--storage-dir", spec.storage_dir, *self.daemon_args]
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=spec.gpu)
+        child = Child(f"kvswapd gpu {spec.gpu}", argv, env)
         if self.log_dir:
-            child.log_path = os.path.join(self.log_dir, f"kvswapd-{slot.gpu}.log")
+            child.log_path = os.path.join(self.log_dir, f"kvswapd-{spec.gpu}.log")
         self._spawn(child)
         self.daemons.append(child)
-        self._write_pid_file(f"kvswapd-{slot.gpu}", child.pid)
+        self._write_pid_file(f"kvswapd-{spec.gpu}", child.pid)
         log.info("started kvswapd gpu=%s pid=%d cache_queue_port=%d metrics_port=%d storage_dir=%s",
-                 slot.gpu, child.pid, slot.cache_queue_port, slot.metrics_port, slot.storage_dir)
+                 spec.gpu, child.pid, spec.cache_queue_port, spec.metrics_port, spec.storage_dir)
 
-    def _wait_ready(self) -> tuple[int | None, list[Slot]]:
+    def _wait_ready(self) -> tuple[int | None, list[DaemonSpec]]:
         """Poll every daemon's /readyz until all answer 200, one exits, a signal comes or the
-        deadline passes. Returns the interrupting signal (if one came) and the slots not ready."""
+        deadline passes. Returns the interrupting signal (if one came) and the specs not ready."""
         deadline = time.monotonic() + self.ready_timeout_s
-        waiting = list(self.slots)
+        waiting = list(self.specs)
         while True:
             waiting = [s for s in waiting if not self._is_ready(s)]
             if not waiting or time.monotonic() >= deadline:
@@ -226,8 +226,8 @@ class Launcher:
             if self._dead_daemon() is not None:
                 return None, waiting
 
-    def _is_ready(self, slot: Slot) -> bool:
-        url = f"http://{self._probe_host()}:{slot.metrics_port}/readyz"
+    def _is_ready(self, spec: DaemonSpec) -> bool:
+        url = f"http://{self._probe_host()}:{spec.metrics_port}/readyz"
         try:
             with urllib.request.urlopen(url, timeout=1) as resp:
                 return resp.status == 200
@@ -325,8 +325,8 @@ class Launcher:
     def _server_env(self) -> dict[str, str]:
         host = self._probe_host()
         return dict(os.environ,
-                    KVSWAP_ENDPOINTS=",".join(f"tcp://{host}:{s.cache_queue_port}" for s in self.slots),
-                    KVSWAP_METRICS_URLS=",".join(f"http://{host}:{s.metrics_port}/metrics" for s in self.slots))
+                    KVSWAP_ENDPOINTS=",".join(f"tcp://{host}:{s.cache_queue_port}" for s in self.specs),
+                    KVSWAP_METRICS_URLS=",".join(f"http://{host}:{s.metrics_port}/metrics" for s in self.specs))
 
     def _write_pid_file(self, name: str, pid: int) -> None:
         if self.pid_dir:
@@ -339,7 +339,7 @@ class Launcher:
     def _remove_pid_files(self) -> None:
         if not self.pid_dir:
             return
-        for name in ["server", *(f"kvswapd-{s.gpu}" for s in self.slots)]:
+        for name in ["server", *(f"kvswapd-{s.gpu}" for s in self.specs)]:
             try:
                 os.unlink(os.path.join(self.pid_dir, f"{name}.pid"))
             except FileNotFoundError:
@@ -410,12 +410,12 @@ def launch(gpus: str, base_cache_queue_port: int, base_metrics_port: int, storag
     """
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="kvswap launch: %(message)s")
     try:
-        slots = plan(parse_gpus(gpus), base_cache_queue_port, base_metrics_port, storage_dir)
+        specs = plan(parse_gpus(gpus), base_cache_queue_port, base_metrics_port, storage_dir)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     for d in (pid_dir, log_dir):
         if d:
             os.makedirs(d, exist_ok=True)
-    launcher = Launcher(slots, list(server_command), host=host, daemon_args=list(daemon_args),
+    launcher = Launcher(specs, list(server_command), host=host, daemon_args=list(daemon_args),
                         ready_timeout_s=ready_timeout_s, grace_s=grace_s, pid_dir=pid_dir, log_dir=log_dir)
     sys.exit(launcher.run())
