@@ -202,13 +202,12 @@ def test_a_daemon_that_cannot_start_means_no_server(tmp_path: Path) -> None:
     assert set(pids) == {"0", "1"} and all(gone(p) for p in pids.values())
 
 
-def test_a_missing_server_command_exits_127_and_stops_the_daemons(tmp_path: Path) -> None:
+def test_a_missing_server_command_exits_127_and_starts_no_daemon(tmp_path: Path) -> None:
     launch = Launch(tmp_path, ["0"], server=[str(tmp_path / "no-such-server")])
     code, err = launch.wait()
     assert code == 127, err
     assert "cannot start the server" in err
-    pids = daemon_pids(err)
-    assert len(pids) == 1 and all(gone(p) for p in pids.values())
+    assert daemon_pids(err) == {}  # checked before any daemon was started
 
 
 def test_port_scheme_is_base_plus_index() -> None:

@@ -8,11 +8,14 @@ Port scheme: the daemon of the i-th GPU in ``--gpus`` (counting from 0) listens 
 gives 55500/55600 to GPU 4 and 55501/55601 to GPU 5. Each daemon sees only its GPU
 (``CUDA_VISIBLE_DEVICES``).
 
-Sequence: start every daemon, wait until each answers ``/readyz``, start the server (an argv
-list, never a shell), then supervise. SIGINT and SIGTERM go to the server's process group;
-when the server exits, the daemons get SIGTERM (they drain), then SIGKILL after
-``--grace-s``, and the launcher exits with the server's code. A daemon that dies takes the
-server down with it (exit 4): the engine would otherwise run on without its cache tier.
+Sequence: check that the server command exists, start every daemon, wait until each answers
+``/readyz``, start the server (an argv list, never a shell), then supervise. SIGINT and SIGTERM
+go to the server's process group; a server still running ``--grace-s`` after a forwarded
+SIGINT gets SIGTERM, and ``--grace-s`` after that SIGKILL. When the server exits, the daemons
+get SIGTERM (they drain), then SIGKILL after ``--grace-s``, and the launcher exits with the
+server's code. A daemon that dies takes the server down with it (exit 4): the engine would
+otherwise run on without its cache tier. With ``--log-dir``, a daemon that fails has the last
+lines of its log repeated on the launcher's stderr.
 
 The launcher waits for signals with ``sigwaitinfo`` on a blocked set (SIGCHLD, SIGINT,
 SIGTERM), so it neither polls process state in a sleep loop nor runs code inside a signal
@@ -25,6 +28,7 @@ import ctypes
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,6 +49,10 @@ EXIT_DAEMON_DIED: Final = 4
 FORWARDED: Final = (signal.SIGINT, signal.SIGTERM)
 WATCHED: Final = frozenset({signal.SIGCHLD, *FORWARDED})
 _PR_SET_PDEATHSIG: Final = 1
+#: Lines of a failed daemon's log file repeated on the launcher's stderr.
+LOG_TAIL_LINES: Final = 20
+#: What a server that ignores a forwarded signal gets next, ``grace_s`` apart.
+ESCALATION: Final = {signal.SIGINT: (signal.SIGTERM, signal.SIGKILL), signal.SIGTERM: (signal.SIGKILL,)}
 
 
 @dataclass(frozen=True)
@@ -153,6 +161,10 @@ class Launcher:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
     def _run(self) -> int:
+        problem = command_problem(self.server_argv[0], os.environ.get("PATH", os.defpath))
+        if problem:  # before any daemon starts: nothing to start and stop again
+            log.error("cannot start the server %s: %s", self.server_argv[0], problem)
+            return 127 if problem == "not found" else 126
         for spec in self.specs:
             self._start_daemon(spec)
         interrupted, waiting = self._wait_ready()
@@ -162,6 +174,7 @@ class Launcher:
         failed = self._dead_daemon()
         if failed is not None:
             log.error("%s exited with code %s before it was ready; stopping", failed.describe(), failed.returncode)
+            self._show_log_tail(failed)
             return EXIT_DAEMON_START_FAILED
         if waiting:
             late = [f"gpu {s.gpu} (http://{self._probe_host()}:{s.metrics_port}/readyz)" for s in waiting]
@@ -178,6 +191,10 @@ class Launcher:
 
     def _supervise(self) -> int:
         assert self.server is not None
+        # After a forwarded signal: what the server gets next if it is still running at the
+        # deadline (a server that ignores SIGINT must not hold the launcher forever).
+        escalation: list[int] = []
+        deadline: float | None = None
         while True:
             self._reap()
             if self.server.returncode is not None:
@@ -188,12 +205,21 @@ class Launcher:
             if failed is not None:
                 log.error("%s exited with code %s while the server ran; stopping the server and the other "
                           "daemons", failed.describe(), failed.returncode)
+                self._show_log_tail(failed)
                 self._stop(self.server, group=True)
                 return EXIT_DAEMON_DIED
-            sig = self._wait_signal(None)
+            sig = self._wait_signal(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if sig in FORWARDED:
                 log.info("%s: forwarding it to the server", signal.Signals(sig).name)
                 self._signal_group(self.server, sig)
+                if deadline is None:
+                    escalation, deadline = list(ESCALATION[sig]), time.monotonic() + self.grace_s
+            elif deadline is not None and time.monotonic() >= deadline:
+                nxt = escalation.pop(0)
+                log.warning("the server is still running %.0f s after the last signal; sending it %s",
+                            self.grace_s, signal.Signals(nxt).name)
+                self._signal_group(self.server, nxt)
+                deadline = time.monotonic() + self.grace_s if escalation else None
 
     # -- daemons -------------------------------------------------------------------------------------
 
@@ -240,6 +266,20 @@ class Launcher:
         if self.host == "::":
             return "[::1]"
         return f"[{self.host}]" if ":" in self.host else self.host
+
+    def _show_log_tail(self, child: Child) -> None:
+        """The end of a failed daemon's log file, where its reason is. Without ``--log-dir``
+        its output went to the launcher's stderr already."""
+        if not child.log_path:
+            return
+        try:
+            with open(child.log_path, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - 64 * 1024))
+                lines = f.read().decode("utf-8", "replace").splitlines()[-LOG_TAIL_LINES:]
+        except OSError as exc:
+            log.error("cannot read %s: %s", child.log_path, exc.strerror or exc)
+            return
+        log.error("last lines of %s:\n%s", child.log_path, "\n".join(f"  | {line}" for line in lines))
 
     def _dead_daemon(self) -> Child | None:
         return next((d for d in self.daemons if d.returncode is not None), None)
@@ -346,6 +386,16 @@ class Launcher:
                 pass
 
 
+def command_problem(command: str, path: str) -> str:
+    """Why ``command`` cannot be executed ("" if it can): ``not found`` or ``not executable``,
+    looked up the way exec does (a name with a slash as a path, else along ``path``)."""
+    if "/" in command:
+        if not os.path.exists(command):
+            return "not found"
+        return "" if os.path.isfile(command) and os.access(command, os.X_OK) else "not executable"
+    return "" if shutil.which(command, path=path) else "not found"
+
+
 def _spawn(argv: list[str], env: dict[str, str], out_fd: int | None) -> subprocess.Popen:
     """fork + exec without a shell. The child gets: its own process group (a terminal's Ctrl-C
     reaches the launcher only, which stops the server first and the daemons after it), an
@@ -382,8 +432,9 @@ def _parent_death_signal_setter() -> Callable[[int], None]:
               help="Cache-queue port of the first GPU's daemon; the i-th GPU listed gets base + i.")
 @click.option("--base-metrics-port", type=click.IntRange(1, 65535), default=55600,
               help="Metrics port of the first GPU's daemon; the i-th GPU listed gets base + i.")
-@click.option("--storage-dir", required=True,
-              help="Store root for every daemon; {gpu} or {index} in it gives each daemon its own directory.")
+@click.option("--storage-dir", envvar="KVSWAP_STORAGE_DIR", default=None, show_default=False,
+              help="Store root for every daemon; {gpu} or {index} in it gives each daemon its own directory. "
+                   "[default: $KVSWAP_STORAGE_DIR, else $FILE_BACKEND_STORAGE_DIR, else ./kvswap-store]")
 @click.option("--host", default="127.0.0.1", help="Address the daemons bind to.")
 @click.option("--daemon-arg", "daemon_args", multiple=True,
               help="Extra kvswapd argument, repeatable: --daemon-arg=--fsync=data. KVSWAP_* variables pass "
@@ -391,13 +442,14 @@ def _parent_death_signal_setter() -> Callable[[int], None]:
 @click.option("--ready-timeout-s", type=click.FloatRange(0.1), default=120.0,
               help="How long every daemon may take to answer /readyz.")
 @click.option("--grace-s", type=click.FloatRange(0), default=40.0,
-              help="After SIGTERM, how long a daemon (or the server) may take to exit before SIGKILL.")
+              help="After SIGTERM, how long a daemon (or the server) may take to exit before SIGKILL; also "
+                   "how long a server may ignore a forwarded SIGINT before it gets SIGTERM.")
 @click.option("--pid-dir", type=click.Path(file_okay=False), default=None,
               help="Write server.pid and kvswapd-<gpu>.pid here while running.")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
               help="Write each daemon's output to kvswapd-<gpu>.log here instead of the launcher's stderr.")
 @click.argument("server_command", nargs=-1, required=True, type=click.UNPROCESSED)
-def launch(gpus: str, base_cache_queue_port: int, base_metrics_port: int, storage_dir: str, host: str,
+def launch(gpus: str, base_cache_queue_port: int, base_metrics_port: int, storage_dir: str | None, host: str,
            daemon_args: tuple[str, ...], ready_timeout_s: float, grace_s: float, pid_dir: str | None,
            log_dir: str | None, server_command: tuple[str, ...]) -> None:
     """Start one kvswapd per GPU, wait until all are ready, then run SERVER_COMMAND.
@@ -408,9 +460,11 @@ def launch(gpus: str, base_cache_queue_port: int, base_metrics_port: int, storag
     failed to start; 4: a daemon died while the server ran). The server finds the daemons in
     KVSWAP_ENDPOINTS and KVSWAP_METRICS_URLS (comma-separated, in --gpus order).
     """
+    from kvswap.daemon.config import default_storage_dir
+
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="kvswap launch: %(message)s")
     try:
-        specs = plan(parse_gpus(gpus), base_cache_queue_port, base_metrics_port, storage_dir)
+        specs = plan(parse_gpus(gpus), base_cache_queue_port, base_metrics_port, storage_dir or default_storage_dir())
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     for d in (pid_dir, log_dir):
