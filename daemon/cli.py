@@ -25,9 +25,6 @@ from .logs import LOG_FORMATS, configure_logging
 
 log = logging.getLogger("kvswap.daemon")
 
-#: Exit code of a configuration kvswapd cannot use (click's own for a bad command line).
-EXIT_BAD_CONFIG = 2
-
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
@@ -135,7 +132,8 @@ def _config_error(ctx: click.Context, exc: ValueError, effective: dict[str, Any]
 
 @click.command(cls=DaemonCommand, context_settings={"auto_envvar_prefix": "KVSWAP", "show_default": True,
                                  "help_option_names": ["-h", "--help"]})
-@click.option("--host", default=_DEFAULTS.host, help="Address to bind the control socket and metrics endpoint to.")
+@click.option("--host", default=_DEFAULTS.host,
+              help="Address to bind the control socket (and the metrics endpoint, unless --metrics-host) to.")
 @click.option("--curve-secret-key-file", default=_DEFAULTS.curve_secret_key_file, show_default=False,
               help="CURVE on the control socket: the daemon's secret key file (kvswap keygen). Needs --authorized-keys.")
 @click.option("--authorized-keys", default=_DEFAULTS.authorized_keys, show_default=False,

@@ -60,7 +60,11 @@ def normalize_endpoint(value: str) -> str:
 
 def normalize_metrics_url(value: str) -> str:
     """``55601`` -> ``http://127.0.0.1:55601/metrics``; ``HOST:PORT`` (``[::1]:55601`` for
-    IPv6) -> ``http://HOST:PORT/metrics``; a URL without a path gets ``/metrics``."""
+    IPv6) -> ``http://HOST:PORT/metrics``; a URL without a path gets ``/metrics``.
+
+    >>> [normalize_metrics_url(v) for v in ("55601", "[::1]:55601", "http://gpu0:55601")]
+    ['http://127.0.0.1:55601/metrics', 'http://[::1]:55601/metrics', 'http://gpu0:55601/metrics']
+    """
     if value.isdigit():
         return f"http://127.0.0.1:{value}/metrics"
     if "://" not in value:
@@ -71,7 +75,13 @@ def normalize_metrics_url(value: str) -> str:
 
 def metrics_url_from_stats(endpoint: str, stats: dict[str, Any]) -> str | None:
     """Where the daemon serves /metrics, from its ``stats``: its metrics port, on the host the
-    control endpoint names unless the daemon binds metrics to one address of its own."""
+    control endpoint names unless the daemon binds metrics to one address of its own.
+
+    >>> metrics_url_from_stats("tcp://gpu0:55500", {"metrics_port": 55600, "metrics_host": "0.0.0.0"})
+    'http://gpu0:55600/metrics'
+    >>> metrics_url_from_stats("tcp://127.0.0.1:55500", {"metrics_port": 55600, "metrics_host": "::1"})
+    'http://[::1]:55600/metrics'
+    """
     port = stats.get("metrics_port")
     if not isinstance(port, int) or port <= 0:
         return None
