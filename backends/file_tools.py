@@ -150,10 +150,10 @@ class GcReport:
     failures: int = 0
 
 
-def gc(root: str, max_bytes: int, progress: Progress | None = None) -> GcReport:
+def gc(root: str, max_bytes: int, progress: Progress | None = None, dry_run: bool = False) -> GcReport:
     """Delete least recently used records (by mtime, which reads refresh) across all namespaces
     until the directory holds at most ``max_bytes``. Namespaces a running daemon evicts for are
-    left to it and reported."""
+    left to it and reported. ``dry_run``: delete nothing; the report says what would go."""
     report = GcReport()
     locks = []
     candidates: list[RecordFile] = []
@@ -175,7 +175,8 @@ def gc(root: str, max_bytes: int, progress: Progress | None = None) -> GcReport:
                 report.after_bytes += rec.size
                 continue
             try:
-                os.unlink(rec.path)
+                if not dry_run:
+                    os.unlink(rec.path)
                 report.removed += 1
                 total -= rec.size
             except FileNotFoundError:

@@ -1,18 +1,29 @@
 """``kvswapd``: flags (each also read from ``KVSWAP_<FLAG>``) into a :class:`Config`, then
-:func:`run`. Nothing else happens here."""
+:func:`run`. Nothing else happens here.
+
+A configuration kvswapd cannot use ends the process with exit code 2 and one log line on
+stderr (JSON under ``--log-format json``) that names where the bad value came from: the flag,
+the ``KVSWAP_*`` variable, or ``file.toml: key``.
+"""
 
 from __future__ import annotations
 
+import difflib
+import logging
+import os
 import re
 import sys
+from typing import Any, Sequence
 
 import click
 
 from kvswap import __version__
 
-from .config import Config, default_storage_dir
-from .config_file import load_config_option, print_config
+from .config import OTHER_ENV_VARS, Config, ConfigError, default_storage_dir
+from .config_file import FILE_VALUES_KEY, load_config_option, print_config, value_source
 from .logs import LOG_FORMATS, configure_logging
+
+log = logging.getLogger("kvswap.daemon")
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
@@ -41,9 +52,88 @@ def setup_logging(level: str, fmt: str = "text") -> None:
     configure_logging(level, fmt)
 
 
-@click.command(context_settings={"auto_envvar_prefix": "KVSWAP", "show_default": True,
+class DaemonCommand(click.Command):
+    """kvswapd's command: click parses as usual, but a bad configuration is reported as one
+    log line in the chosen log format, naming the value's source, instead of click's usage
+    block."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, **extra: Any) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        extra.pop("standalone_mode", None)
+        try:
+            code = super().main(argv, prog_name, standalone_mode=False, **extra)
+        except click.ClickException as exc:
+            report_config_error(exc, argv)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def report_config_error(exc: click.ClickException, argv: Sequence[str]) -> None:
+    """One line on stderr, in the log format asked for (JSON keeps the source as a field)."""
+    ctx = getattr(exc, "ctx", None)
+    message, source = _describe(exc, ctx, argv)
+    configure_logging("error", _requested_log_format(argv, ctx))
+    fields = {"exit_code": exc.exit_code, **({"source": source} if source else {})}
+    log.error("bad configuration: %s", message, extra=fields)
+
+
+def _describe(exc: click.ClickException, ctx: click.Context | None, argv: Sequence[str]) -> tuple[str, str]:
+    """The message, and where the offending value came from ("" when click does not say)."""
+    param = getattr(exc, "param", None)
+    if isinstance(exc, click.BadParameter) and isinstance(param, click.Option) and ctx is not None:
+        if param.name == "config":  # a config file problem: the message names the file and key
+            where = exc.message.split(" = ", 1)[0] if " = " in exc.message else exc.message.split(":", 1)[0]
+            return exc.message, where  # "file.toml: key", or the file alone
+        # click records a value's source only once the value converts, so look for the flag.
+        flags = [*param.opts, *param.secondary_opts]
+        on_command_line = any(a == f or a.startswith(f + "=") for a in argv for f in flags)
+        envvar = param.envvar if isinstance(param.envvar, str) else f"KVSWAP_{(param.name or '').upper()}"
+        if not on_command_line and envvar in os.environ:
+            return f"{envvar}={os.environ[envvar]}: {exc.message}", envvar
+        return exc.format_message(), param.opts[-1]
+    return exc.format_message(), ""
+
+
+def _requested_log_format(argv: Sequence[str], ctx: click.Context | None) -> str:
+    """The log format the operator asked for, read without relying on the parse that failed:
+    the command line, then KVSWAP_LOG_FORMAT, then the config file."""
+    for i, arg in enumerate(argv):
+        if arg == "--log-format" and i + 1 < len(argv):
+            return _known_format(argv[i + 1])
+        if arg.startswith("--log-format="):
+            return _known_format(arg.partition("=")[2])
+    if "KVSWAP_LOG_FORMAT" in os.environ:
+        return _known_format(os.environ["KVSWAP_LOG_FORMAT"])
+    file_values = ctx.meta.get(FILE_VALUES_KEY, {}) if ctx is not None else {}
+    return _known_format(str(file_values.get("log_format", "text")))
+
+
+def _known_format(value: str) -> str:
+    return value if value in LOG_FORMATS else "text"
+
+
+def warn_unknown_env_vars(command: click.Command, environ: dict[str, str]) -> None:
+    """A mistyped ``KVSWAP_*`` variable would otherwise leave a default in place in silence."""
+    known = {f"KVSWAP_{p.name.upper()}" for p in command.params if p.name} | OTHER_ENV_VARS
+    for name in sorted(n for n in environ if n.startswith("KVSWAP_") and n not in known):
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        log.warning("unknown environment variable %s ignored%s", name,
+                    f" (did you mean {close[0]}?)" if close else "", extra={"variable": name})
+
+
+def _config_error(ctx: click.Context, exc: ValueError, effective: dict[str, Any]) -> click.UsageError:
+    """``Config.validate``'s reason, with the source of each setting it names."""
+    settings = exc.settings if isinstance(exc, ConfigError) else ()
+    sources = [f"{name} from {value_source(ctx, name, effective.get(name))}" for name in settings]
+    return click.UsageError(str(exc) + (f" ({'; '.join(sources)})" if sources else ""), ctx=ctx)
+
+
+@click.command(cls=DaemonCommand, context_settings={"auto_envvar_prefix": "KVSWAP", "show_default": True,
                                  "help_option_names": ["-h", "--help"]})
-@click.option("--host", default=_DEFAULTS.host, help="Address to bind the control socket and metrics endpoint to.")
+@click.option("--host", default=_DEFAULTS.host,
+              help="Address to bind the control socket (and the metrics endpoint, unless --metrics-host) to.")
 @click.option("--curve-secret-key-file", default=_DEFAULTS.curve_secret_key_file, show_default=False,
               help="CURVE on the control socket: the daemon's secret key file (kvswap keygen). Needs --authorized-keys.")
 @click.option("--authorized-keys", default=_DEFAULTS.authorized_keys, show_default=False,
@@ -71,9 +161,9 @@ def setup_logging(level: str, fmt: str = "text") -> None:
 @click.option("--remote-url", default=_DEFAULTS.remote_url, show_default=False,
               help="Remote tier: redis://HOST:PORT/DB, redis+cluster://HOST:PORT or "
                    "mooncake://MASTER:PORT?metadata=URL&protocol=tcp|rdma (empty = none).")
-@click.option("--store-locations", default=_DEFAULTS.store_locations,
+@click.option("--store-locations", default=_DEFAULTS.store_locations, show_default=False,
               help="Comma list of tiers swap_out writes to (host, file, remote). [default: every configured tier]")
-@click.option("--retrieve-locations", default=_DEFAULTS.retrieve_locations,
+@click.option("--retrieve-locations", default=_DEFAULTS.retrieve_locations, show_default=False,
               help="Comma list of tiers swap_in and lookup search, in order. [default: all, host, file, remote]")
 @click.option("--promote-to-host/--no-promote-to-host", default=_DEFAULTS.promote_to_host,
               help="Copy records found in a lower tier into the host tier.")
@@ -97,9 +187,12 @@ def setup_logging(level: str, fmt: str = "text") -> None:
               help="Requests one client connection may have in flight; beyond this it is answered busy.")
 @click.option("--engine-check-interval-s", type=click.FloatRange(0.05), default=_DEFAULTS.engine_check_interval_s,
               help="How often to check that the registered engine process is alive.")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=_DEFAULTS.log_level)
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=_DEFAULTS.log_level,
+              help="Least severe log lines written to stderr.")
 @click.option("--log-format", type=click.Choice(LOG_FORMATS), default=_DEFAULTS.log_format,
               help="text: human-readable lines; json: one object per line (ts, level, logger, msg).")
+@click.option("--metrics-host", default=_DEFAULTS.metrics_host, show_default=False,
+              help="Address the metrics endpoint binds to. [default: as --host]")
 @click.option("--config", type=click.Path(dir_okay=False), default=None, is_eager=True, callback=load_config_option,
               help="TOML file of settings named like the flags; flags and KVSWAP_* variables override it.")
 @click.option("--print-config", is_flag=True, default=False,
@@ -117,15 +210,23 @@ def main(**options: object) -> None:
     show_config = options.pop("print_config", False)
     options["storage_dir"] = options["storage_dir"] or default_storage_dir()
     config = Config(**options)  # type: ignore[arg-type]
-    setup_logging(config.log_level, config.log_format)
+    ctx = click.get_current_context()
     try:
         config.validate()
     except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
+        raise _config_error(ctx, exc, config.as_dict()) from None
     if show_config:
-        print_config(click.get_current_context(), config.as_dict())
+        print_config(ctx, config.as_dict())
         sys.exit(0)
-    sys.exit(run(config))
+    setup_logging(config.log_level, config.log_format)
+    warn_unknown_env_vars(ctx.command, dict(os.environ))
+    from kvswap.backends.remote import RemoteConfigError
+
+    try:
+        code = run(config)
+    except RemoteConfigError as exc:  # the remote tier's client package is missing
+        raise click.UsageError(exc.problem, ctx=ctx) from None
+    sys.exit(code)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -6,9 +6,11 @@ environment variables; code and tests build it directly and call ``run(config)``
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     from .tiers import Locations
@@ -16,6 +18,21 @@ if TYPE_CHECKING:
 from kvswap.backends.file_store import DIRECT_IO_MODES, FSYNC_MODES
 
 MiB = 1024 * 1024
+
+#: ``KVSWAP_*`` variables that are not kvswapd settings but are read by other parts, so the
+#: daemon does not warn about them: the launcher hands ``KVSWAP_ENDPOINTS`` and
+#: ``KVSWAP_METRICS_URLS`` to the server it starts; ``KVSWAP_GPU_BACKEND`` picks the GPU
+#: framework the movers attach with (daemon/movers/cuda_attach.py).
+OTHER_ENV_VARS: Final = frozenset({"KVSWAP_ENDPOINTS", "KVSWAP_METRICS_URLS", "KVSWAP_GPU_BACKEND"})
+
+
+class ConfigError(ValueError):
+    """A setting (or a combination) that cannot work; ``settings`` names the fields involved,
+    so the command line can say where each value came from."""
+
+    def __init__(self, message: str, *settings: str) -> None:
+        super().__init__(message)
+        self.settings = settings
 
 
 def default_storage_dir() -> str:
@@ -93,6 +110,9 @@ class Config:
     log_level: str = "info"
     #: text: human-readable lines; json: one object per line (ts, level, logger, msg) for collectors.
     log_format: str = "text"
+    #: Address the metrics endpoint binds to ("": the same as ``host``). Lets a sidecar keep
+    #: the control socket on loopback while probes and Prometheus reach the metrics port.
+    metrics_host: str = ""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first setting that cannot work."""
@@ -100,6 +120,15 @@ class Config:
             port = getattr(self, name)
             if not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be in 0..65535, got {port}")
+        if self.cache_queue_port == self.metrics_port != 0:
+            # Refused here: at bind time it reads as "metrics port already in use", a collision
+            # with itself that sends the operator looking for another process.
+            raise ConfigError(f"cache_queue_port and metrics_port are both {self.metrics_port}; they need two "
+                              "different ports", "cache_queue_port", "metrics_port")
+        for name in ("host", "metrics_host"):
+            problem = _bind_address_problem(getattr(self, name), may_be_empty=name == "metrics_host")
+            if problem:
+                raise ConfigError(f"{name} {getattr(self, name)!r} {problem}", name)
         if self.fsync not in FSYNC_MODES:
             raise ValueError(f"fsync must be one of {', '.join(FSYNC_MODES)}, got {self.fsync!r}")
         for name in ("write_threads", "read_threads", "max_inflight_requests", "max_inflight_per_client"):
@@ -130,6 +159,10 @@ class Config:
             raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
 
     @property
+    def metrics_bind_host(self) -> str:
+        return self.metrics_host or self.host
+
+    @property
     def curve(self) -> bool:
         return bool(self.curve_secret_key_file)
 
@@ -146,3 +179,26 @@ class Config:
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _bind_address_problem(host: str, may_be_empty: bool = False) -> str:
+    """Why ``host`` cannot be bound ("" if it can be tried): the control socket (ZMQ) and the
+    metrics server (asyncio) both take an IP address or a resolvable host name. IPv6 works
+    (``::1``, ``::``); ZMQ needs its IPv6 option for it, which the server sets. An unset
+    ``metrics_host`` ("") means "as ``host``"."""
+    if not host:
+        return "" if may_be_empty else "is empty: give an address to bind, e.g. 127.0.0.1"
+    if host == "localhost":
+        return ""
+    try:
+        ipaddress.ip_address(host)
+        return ""
+    except ValueError:
+        pass
+    if host.startswith("[") and host.endswith("]"):
+        return "needs no brackets: write an IPv6 address bare, as ::1"
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return "is not an IP address or a host name that resolves (give an address of this host, e.g. 127.0.0.1)"
+    return ""

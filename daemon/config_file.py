@@ -23,6 +23,7 @@ import json
 import os
 import sys
 from typing import Any, Final, Iterable
+from urllib.parse import urlsplit, urlunsplit
 
 import click
 from click.core import ParameterSource
@@ -38,6 +39,8 @@ NOT_IN_FILE: Final = frozenset({"config", "print_config"})
 SECRET_WORDS: Final = ("secret", "password", "token", "private")
 #: ... unless they name where the secret lives, which is worth seeing.
 FILE_SUFFIXES: Final = ("_file", "_path", "_dir")
+#: ``ctx.meta`` key of the values read from the config file (also when one of them is bad).
+FILE_VALUES_KEY: Final = "kvswap.config_file_values"
 
 
 def settable_params(command: click.Command) -> dict[str, click.Parameter]:
@@ -92,17 +95,43 @@ def load_config_option(ctx: click.Context, param: click.Parameter, value: str | 
         values = read_config_file(value, settable)
     except ValueError as exc:
         raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+    # Kept where an error report can look, so a bad value is reported in the log format the
+    # same file asks for.
+    ctx.meta[FILE_VALUES_KEY] = values
     for name, v in values.items():
         p = settable[name]
         # click would turn true into 1 for a number; a boolean for a non-flag is a mistake.
         if isinstance(v, bool) and not getattr(p, "is_flag", False):
             raise click.BadParameter(f"{value}: {name} = {str(v).lower()} is not a valid value", ctx=ctx, param=param)
+        wrong = _wrong_toml_type(p, v)
+        if wrong:
+            raise click.BadParameter(f"{value}: {name} = {v!r}: {wrong}", ctx=ctx, param=param)
         try:  # convert here too, so a bad value names the file it came from
             p.type_cast_value(ctx, v)
         except click.BadParameter as exc:
             raise click.BadParameter(f"{value}: {name} = {v!r}: {exc.message}", ctx=ctx, param=param) from None
     ctx.default_map = {**(ctx.default_map or {}), **values}
     return value
+
+
+def _wrong_toml_type(param: click.Parameter, value: Any) -> str:
+    """Why a TOML value has the wrong type for ``param`` ("" if it fits). click converts
+    leniently (int(2.7) is 2, "55500" is a port, "no" is false), which suits strings from a
+    command line or an environment variable, but a file has types, and a wrong one is a
+    mistake to report rather than to guess at."""
+    from .cli import ByteSize  # the size type lives with the flags
+
+    kind = param.type
+    if getattr(param, "is_flag", False) or isinstance(kind, click.types.BoolParamType):
+        return "" if isinstance(value, bool) else "expected true or false"
+    if isinstance(kind, ByteSize):
+        return "" if isinstance(value, (int, str)) and not isinstance(value, bool) else \
+            'expected a byte count or a size string such as "256MiB"'
+    if isinstance(kind, click.types.IntParamType):
+        return "" if isinstance(value, int) and not isinstance(value, bool) else "expected an integer"
+    if isinstance(kind, click.types.FloatParamType):
+        return "" if isinstance(value, (int, float)) and not isinstance(value, bool) else "expected a number"
+    return "" if isinstance(value, str) else "expected a string"
 
 
 def value_source(ctx: click.Context, name: str, value: Any) -> str:
@@ -135,9 +164,29 @@ def render_config(ctx: click.Context, effective: dict[str, Any], prog: str = "kv
             lines.append(f"# {name} = (unset)  # {source}")
         elif any(word in name for word in SECRET_WORDS) and not name.endswith(FILE_SUFFIXES):
             lines.append(f'{name} = "<redacted>"  # {source}')
+        elif name == "storage_dir" and source in ("default", "environment (FILE_BACKEND_STORAGE_DIR)"):
+            # Commented out: saved as a config file, a pinned storage_dir would override
+            # FILE_BACKEND_STORAGE_DIR wherever the file is used next.
+            lines.append(f"# {name} is not pinned, so FILE_BACKEND_STORAGE_DIR stays in charge; uncomment to pin it")
+            lines.append(f"# {name} = {_toml_value(value)}  # {source}")
+        elif isinstance(value, str) and mask_url_password(value) != value:
+            lines.append(f"{name} = {_toml_value(mask_url_password(value))}  # {source}; password masked")
         else:
             lines.append(f"{name} = {_toml_value(value)}  # {source}")
     return "\n".join(lines) + "\n"
+
+
+def mask_url_password(value: str) -> str:
+    """``redis://:pw@host:6379/0`` -> ``redis://***@host:6379/0``, as the logs show it; other
+    values unchanged."""
+    try:
+        parts = urlsplit(value)
+        password = parts.password
+    except ValueError:
+        return value
+    if not parts.scheme or not password:
+        return value
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
 
 
 def print_config(ctx: click.Context, effective: dict[str, Any]) -> None:

@@ -1,11 +1,13 @@
 """Log output of ``kvswapd``: human-readable lines by default, or one JSON object per line
 (``--log-format json``) for collectors such as Loki, Fluent Bit or Vector.
 
-A JSON line has exactly the keys ``ts`` (UTC, ISO 8601 with milliseconds), ``level``
-(``debug``, ``info``, ``warning``, ``error``, ``critical``), ``logger`` and ``msg``, plus
-``exc`` when the record carries a traceback. Example::
+A JSON line has the keys ``ts`` (UTC, ISO 8601 with milliseconds), ``level`` (``debug``,
+``info``, ``warning``, ``error``, ``critical``), ``logger`` and ``msg``, plus ``exc`` when the
+record carries a traceback, plus the fields the line carries (``extra=`` of the logging call),
+each as its own key so a collector can filter on it without parsing ``msg``. Example::
 
-    {"ts": "2025-01-31T09:12:03.418Z", "level": "info", "logger": "kvswap.daemon", "msg": "kvswapd stopped"}
+    {"ts": "2025-01-31T09:12:03.418Z", "level": "error", "logger": "kvswap.daemon",
+     "msg": "bad configuration: KVSWAP_FSYNC=maybe: ...", "exit_code": 2, "source": "KVSWAP_FSYNC"}
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from typing import Final
 
 LOG_FORMATS: Final = ("text", "json")
 TEXT_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+#: The keys every JSON line has; a field of the same name from ``extra=`` cannot replace them.
+CORE_KEYS: Final = ("ts", "level", "logger", "msg", "exc")
+#: Attributes every LogRecord has: whatever else a record carries came from ``extra=``.
+_RECORD_ATTRS: Final = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 
 
 class JsonFormatter(logging.Formatter):
@@ -36,6 +42,9 @@ class JsonFormatter(logging.Formatter):
             out["exc"] = self.formatException(record.exc_info)
         elif record.exc_text:
             out["exc"] = record.exc_text
+        for key, value in vars(record).items():
+            if key not in _RECORD_ATTRS and key not in CORE_KEYS:
+                out[key] = value
         return json.dumps(out, ensure_ascii=False, default=str)
 
 

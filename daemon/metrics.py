@@ -7,7 +7,8 @@ import asyncio
 import logging
 from typing import Callable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               generate_latest)
 
 from kvswap import __version__
 
@@ -58,6 +59,9 @@ class Metrics:
                                   ["tier"], registry=r)
         info = Gauge("kvswap_build_info", "Always 1; labels say which build runs.", ["version"], registry=r)
         info.labels(version=__version__).set(1)
+        # process_* (RSS, CPU seconds, open and max fds, start time) of this process, read from
+        # /proc at scrape time; the daemon's own registry does not get the global default's.
+        ProcessCollector(registry=r)
 
     def watch_stores(self, stores: Callable[[], list]) -> None:
         """Export the storage tiers' own counters (eviction, scan, capacity) at scrape time."""

@@ -66,6 +66,8 @@ class Daemon:
         self.curve = (CurveServer(config.curve_secret_key_file, config.authorized_keys, self.metrics.registry)
                       if config.curve else None)
         self.control_port = config.cache_queue_port
+        #: Set once start-up succeeded: a failed start-up says only why, not "stopped".
+        self._started = False
 
     # -- the three phases ---------------------------------------------------------------------------
 
@@ -79,10 +81,6 @@ class Daemon:
 
     async def startup(self) -> None:
         cfg = self.config
-        try:
-            await asyncio.get_running_loop().run_in_executor(None, self.backend.check_writable)
-        except OSError as exc:
-            raise StartupError(f"storage directory {self.backend.root} cannot be used: {exc.strerror or exc}") from None
         self._ctx = zmq.asyncio.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + 4096)  # ZMQ drops larger frames itself
@@ -107,10 +105,17 @@ class Daemon:
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.control_port = int(endpoint.rsplit(":", 1)[1])
         try:
-            await self.health.start(cfg.host, cfg.metrics_port)
+            await self.health.start(cfg.metrics_bind_host, cfg.metrics_port)
         except OSError as exc:
             reason = "already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
-            raise StartupError(f"cannot bind the metrics port {cfg.host}:{cfg.metrics_port}: {reason}") from None
+            raise StartupError(f"cannot bind the metrics port {cfg.metrics_bind_host}:{cfg.metrics_port}: "
+                               f"{reason}") from None
+        # After the binds, which log nothing: the storage check logs its O_DIRECT finding, and a
+        # start-up that fails prints one line, its reason.
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.backend.check_writable)
+        except OSError as exc:
+            raise StartupError(f"storage directory {self.backend.root} cannot be used: {exc.strerror or exc}") from None
         if not _is_loopback(cfg.host) and self.curve is None:
             log.warning("the control socket listens on %s, beyond loopback, without authentication: anyone who "
                         "reaches it can read and overwrite cached KV blocks", cfg.host)
@@ -120,8 +125,13 @@ class Daemon:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.request_exit)
         self.serving = True
-        log.info("kvswapd %s serving tcp://%s:%d, metrics http://%s:%d/metrics, storage %s (fsync=%s)",
-                 __version__, cfg.host, self.control_port, cfg.host, self.health.port, self.backend.root, cfg.fsync)
+        self._started = True
+        endpoint = f"tcp://{_zmq_host(cfg.host)}:{self.control_port}"
+        metrics_url = f"http://{_zmq_host(cfg.metrics_bind_host)}:{self.health.port}/metrics"
+        log.info("kvswapd %s serving %s, metrics %s, storage %s (fsync=%s)", __version__, endpoint, metrics_url,
+                 self.backend.root, cfg.fsync, extra={"version": __version__, "endpoint": endpoint,
+                                                      "metrics_url": metrics_url, "storage_dir": self.backend.root,
+                                                      "fsync": cfg.fsync})
         locations = self.swapper.locations
         log.info("tiers: %s; store to %s; retrieve from %s%s", ", ".join(
             getattr(b, "url", None) or (b.root if hasattr(b, "root") else name) for name, b in self.backends.items()),
@@ -185,7 +195,8 @@ class Daemon:
             self.curve.close()
         if self._ctx is not None:
             self._ctx.term()
-        log.info("kvswapd stopped")
+        if self._started:
+            log.info("kvswapd stopped")
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -357,7 +368,8 @@ class Daemon:
         out = self.swapper.stats()
         out.update({"version": __version__, "uptime_s": round(time.time() - self.started, 3),
                     "requests_in_flight": len(self._requests), "storage_dir": self.backend.root,
-                    "fsync": self.config.fsync, "metrics_port": self.health.port})
+                    "fsync": self.config.fsync, "metrics_port": self.health.port,
+                    "metrics_host": self.config.metrics_bind_host})
         return out
 
     def _send(self, envelope: list[bytes], reply: m.Reply) -> None:
@@ -437,6 +449,6 @@ def run(config: Config) -> int:
         else:
             asyncio.run(daemon.serve())
     except StartupError as exc:
-        log.error("start-up failed: %s", exc)
+        log.error("start-up failed: %s", exc, extra={"exit_code": EXIT_STARTUP_FAILED})
         return EXIT_STARTUP_FAILED
     return EXIT_OK

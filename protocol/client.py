@@ -28,11 +28,12 @@ handshake): its calls raise :class:`~kvswap.protocol.errors.Unavailable` or ``Ti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Sequence
 
 import zmq
 import zmq.asyncio
@@ -165,6 +166,8 @@ class _Base:
         # instead of being delivered, stale, when it comes back. With CURVE a connection is
         # live only after its handshake, so a refused client fails the same way.
         sock.setsockopt(zmq.IMMEDIATE, 1)
+        if "://[" in self.endpoint:  # tcp://[::1]:55500: ZMQ connects to IPv6 only with this set
+            sock.setsockopt(zmq.IPV6, 1)
         if self._curve is not None:
             sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = self._curve
         return sock
@@ -262,6 +265,20 @@ class Client(_Base):
 
     def unregister(self) -> bool:
         return self._run(_plain(m.Unregister, "released"))
+
+    @contextlib.contextmanager
+    def registered(self, cache: Any, timeout: float | None = None) -> Iterator[dict[str, Any]]:
+        """``register(cache)`` for the ``with`` block, ``unregister()`` at its end, so an
+        engine that exits normally says so (the daemon logs it at INFO; a registered engine
+        whose process vanishes is a WARNING). Yields register's reply. An unregister the
+        daemon cannot answer (it is gone or shutting down) is not an error here: the daemon
+        releases the registration itself when the engine's process ends."""
+        reply = self.register(cache, timeout)
+        try:
+            yield reply
+        finally:
+            with contextlib.suppress(KvswapError):
+                self.unregister()
 
     def swap_out(self, block_ids: Sequence[int], keys: Sequence[str], wait: str = "copied",
                  timeout: float | None = None, partial: bool = False) -> SwapOutResult:
@@ -372,6 +389,16 @@ class AsyncClient(_Base):
 
     async def unregister(self) -> bool:
         return await self._run(_plain(m.Unregister, "released"))
+
+    @contextlib.asynccontextmanager
+    async def registered(self, cache: Any, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
+        """``async with`` twin of :meth:`Client.registered`."""
+        reply = await self.register(cache, timeout)
+        try:
+            yield reply
+        finally:
+            with contextlib.suppress(KvswapError):
+                await self.unregister()
 
     async def swap_out(self, block_ids: Sequence[int], keys: Sequence[str], wait: str = "copied",
                        timeout: float | None = None, partial: bool = False) -> SwapOutResult:

@@ -201,7 +201,7 @@ def test_worked_examples_in_docstrings_hold() -> None:
     import doctest
 
     import promql
-    from kvswap.daemon import launcher, status
+    from kvswap.daemon.tools import launcher, status
 
     for module in (promql, launcher, status):
         result = doctest.testmod(module)

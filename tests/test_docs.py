@@ -326,8 +326,9 @@ def test_operations_names_every_metric(daemon_registry):
     spans = _code_spans(text)
     missing = [_exposed(f.name, f.type) for f in families if _exposed(f.name, f.type) not in spans]
     assert not missing, f"metrics missing from operations.md: {missing}"
-    rows = {row[0].strip("`"): row for row in _rows(text, r"`kvswap_[a-z_]+`")}
+    rows = {row[0].strip("`"): row for row in _rows(text, r"`(kvswap|process)_[a-z_]+`")}
     assert set(rows) == {_exposed(f.name, f.type) for f in families}, "a documented metric does not exist"
+    assert any(f.name == "process_resident_memory_bytes" for f in families), "no process collector"
     for f in families:
         assert rows[_exposed(f.name, f.type)][1] == f.type
 

@@ -202,18 +202,17 @@ def test_a_daemon_that_cannot_start_means_no_server(tmp_path: Path) -> None:
     assert set(pids) == {"0", "1"} and all(gone(p) for p in pids.values())
 
 
-def test_a_missing_server_command_exits_127_and_stops_the_daemons(tmp_path: Path) -> None:
+def test_a_missing_server_command_exits_127_and_starts_no_daemon(tmp_path: Path) -> None:
     launch = Launch(tmp_path, ["0"], server=[str(tmp_path / "no-such-server")])
     code, err = launch.wait()
     assert code == 127, err
     assert "cannot start the server" in err
-    pids = daemon_pids(err)
-    assert len(pids) == 1 and all(gone(p) for p in pids.values())
+    assert daemon_pids(err) == {}  # checked before any daemon was started
 
 
 def test_port_scheme_is_base_plus_index() -> None:
-    slots = plan(["4", "5", "GPU-8f0c"], 55500, 55600, "/s/{gpu}-{index}")
-    assert [(s.gpu, s.cache_queue_port, s.metrics_port, s.storage_dir) for s in slots] == [
+    specs = plan(["4", "5", "GPU-8f0c"], 55500, 55600, "/s/{gpu}-{index}")
+    assert [(s.gpu, s.cache_queue_port, s.metrics_port, s.storage_dir) for s in specs] == [
         ("4", 55500, 55600, "/s/4-0"), ("5", 55501, 55601, "/s/5-1"), ("GPU-8f0c", 55502, 55602, "/s/GPU-8f0c-2")]
     assert {s.storage_dir for s in plan(["0", "1"], 1000, 2000, "/shared")} == {"/shared"}
 

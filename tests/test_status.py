@@ -39,8 +39,11 @@ def test_json_reports_registration_tiers_staging_and_work(daemon: DaemonProcess,
     assert report["staging"]["write"]["slots"] >= report["staging"]["write"]["free"] >= 0
     assert report["pending_writes"] == 0 and report["requests_in_flight"] == 1  # the stats call itself
     rates = report["rates"]
-    assert rates["source"] == "stats" and rates["deltas"] == {"stored_records": {"file": 0.0},
-                                                              "stored_bytes": {"file": 0.0}}
+    # The metrics port comes from stats, so the metric rates are there without --metrics-url.
+    assert report["metrics_url"] == daemon.metrics_url + "/metrics" and report["metrics_error"] is None
+    assert rates["source"] == "stats+metrics"
+    assert {k: rates["deltas"][k] for k in ("stored_records", "stored_bytes")} == {
+        "stored_records": {"file": 0.0}, "stored_bytes": {"file": 0.0}}
 
 
 def test_table_is_readable_and_says_what_is_missing(daemon: DaemonProcess, client: Client,

@@ -16,9 +16,11 @@ from .presets import PRESETS
 @click.option("--blocks", type=click.IntRange(4), default=512, show_default=True, help="Blocks per key set.")
 @click.option("--batch", type=click.IntRange(1), default=32, show_default=True, help="Blocks per request.")
 @click.option("--storage-dir", default=None, help="Directory to benchmark (default: a temp dir under .).")
-@click.option("--fsync", type=click.Choice(["none", "data", "strict"]), default="none", show_default=True)
+@click.option("--fsync", type=click.Choice(["none", "data", "strict"]), default="none", show_default=True,
+              help="The benchmarked daemon's --fsync mode.")
 @click.option("--daemon-arg", "daemon_args", multiple=True, help="Extra kvswapd flag (repeatable).")
-@click.option("--idle-seconds", type=click.FloatRange(0.1), default=5.0, show_default=True)
+@click.option("--idle-seconds", type=click.FloatRange(0.1), default=5.0, show_default=True,
+              help="How long to measure the daemon's CPU use while it is idle.")
 @click.option("--quick", is_flag=True, help="A seconds-long smoke run (tiny layout, few blocks).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @click.option("--plot", "plot_path", default=None, metavar="FILE.png",

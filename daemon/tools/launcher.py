@@ -8,11 +8,14 @@ Port scheme: the daemon of the i-th GPU in ``--gpus`` (counting from 0) listens 
 gives 55500/55600 to GPU 4 and 55501/55601 to GPU 5. Each daemon sees only its GPU
 (``CUDA_VISIBLE_DEVICES``).
 
-Sequence: start every daemon, wait until each answers ``/readyz``, start the server (an argv
-list, never a shell), then supervise. SIGINT and SIGTERM go to the server's process group;
-when the server exits, the daemons get SIGTERM (they drain), then SIGKILL after
-``--grace-s``, and the launcher exits with the server's code. A daemon that dies takes the
-server down with it (exit 4): the engine would otherwise run on without its cache tier.
+Sequence: check that the server command exists, start every daemon, wait until each answers
+``/readyz``, start the server (an argv list, never a shell), then supervise. SIGINT and SIGTERM
+go to the server's process group; a server still running ``--grace-s`` after a forwarded
+SIGINT gets SIGTERM, and ``--grace-s`` after that SIGKILL. When the server exits, the daemons
+get SIGTERM (they drain), then SIGKILL after ``--grace-s``, and the launcher exits with the
+server's code. A daemon that dies takes the server down with it (exit 4): the engine would
+otherwise run on without its cache tier. With ``--log-dir``, a daemon that fails has the last
+lines of its log repeated on the launcher's stderr.
 
 The launcher waits for signals with ``sigwaitinfo`` on a blocked set (SIGCHLD, SIGINT,
 SIGTERM), so it neither polls process state in a sleep loop nor runs code inside a signal
@@ -25,6 +28,7 @@ import ctypes
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,11 +49,15 @@ EXIT_DAEMON_DIED: Final = 4
 FORWARDED: Final = (signal.SIGINT, signal.SIGTERM)
 WATCHED: Final = frozenset({signal.SIGCHLD, *FORWARDED})
 _PR_SET_PDEATHSIG: Final = 1
+#: Lines of a failed daemon's log file repeated on the launcher's stderr.
+LOG_TAIL_LINES: Final = 20
+#: What a server that ignores a forwarded signal gets next, ``grace_s`` apart.
+ESCALATION: Final = {signal.SIGINT: (signal.SIGTERM, signal.SIGKILL), signal.SIGTERM: (signal.SIGKILL,)}
 
 
 @dataclass(frozen=True)
-class Slot:
-    """What one GPU's daemon gets."""
+class DaemonSpec:
+    """What one GPU's daemon gets: its ports and storage directory (not a staging slot)."""
 
     index: int
     gpu: str
@@ -58,7 +66,7 @@ class Slot:
     storage_dir: str
 
 
-def plan(gpus: Sequence[str], base_cache_queue_port: int, base_metrics_port: int, storage_dir: str) -> list[Slot]:
+def plan(gpus: Sequence[str], base_cache_queue_port: int, base_metrics_port: int, storage_dir: str) -> list[DaemonSpec]:
     """The port scheme: the i-th GPU listed gets ``base + i`` for both ports.
 
     >>> [(s.gpu, s.cache_queue_port, s.metrics_port) for s in plan(["4", "5"], 55500, 55600, "/s")]
@@ -86,7 +94,7 @@ def plan(gpus: Sequence[str], base_cache_queue_port: int, base_metrics_port: int
     except (KeyError, IndexError, ValueError) as exc:
         raise ValueError(f"--storage-dir {storage_dir!r}: only {{gpu}} and {{index}} may appear in braces "
                          f"({exc})") from None
-    return [Slot(i, gpu, cq[i], mp[i], dirs[i]) for i, gpu in enumerate(gpus)]
+    return [DaemonSpec(i, gpu, cq[i], mp[i], dirs[i]) for i, gpu in enumerate(gpus)]
 
 
 def parse_gpus(value: str) -> list[str]:
@@ -123,7 +131,7 @@ class Child:
 
 @dataclass
 class Launcher:
-    slots: list[Slot]
+    specs: list[DaemonSpec]
     server_argv: list[str]
     host: str = "127.0.0.1"
     daemon_args: list[str] = field(default_factory=list)
@@ -153,8 +161,12 @@ class Launcher:
             signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
     def _run(self) -> int:
-        for slot in self.slots:
-            self._start_daemon(slot)
+        problem = command_problem(self.server_argv[0], os.environ.get("PATH", os.defpath))
+        if problem:  # before any daemon starts: nothing to start and stop again
+            log.error("cannot start the server %s: %s", self.server_argv[0], problem)
+            return 127 if problem == "not found" else 126
+        for spec in self.specs:
+            self._start_daemon(spec)
         interrupted, waiting = self._wait_ready()
         if interrupted is not None:
             log.info("interrupted by %s before the server started", signal.Signals(interrupted).name)
@@ -162,6 +174,7 @@ class Launcher:
         failed = self._dead_daemon()
         if failed is not None:
             log.error("%s exited with code %s before it was ready; stopping", failed.describe(), failed.returncode)
+            self._show_log_tail(failed)
             return EXIT_DAEMON_START_FAILED
         if waiting:
             late = [f"gpu {s.gpu} (http://{self._probe_host()}:{s.metrics_port}/readyz)" for s in waiting]
@@ -178,6 +191,10 @@ class Launcher:
 
     def _supervise(self) -> int:
         assert self.server is not None
+        # After a forwarded signal: what the server gets next if it is still running at the
+        # deadline (a server that ignores SIGINT must not hold the launcher forever).
+        escalation: list[int] = []
+        deadline: float | None = None
         while True:
             self._reap()
             if self.server.returncode is not None:
@@ -188,33 +205,42 @@ class Launcher:
             if failed is not None:
                 log.error("%s exited with code %s while the server ran; stopping the server and the other "
                           "daemons", failed.describe(), failed.returncode)
+                self._show_log_tail(failed)
                 self._stop(self.server, group=True)
                 return EXIT_DAEMON_DIED
-            sig = self._wait_signal(None)
+            sig = self._wait_signal(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if sig in FORWARDED:
                 log.info("%s: forwarding it to the server", signal.Signals(sig).name)
                 self._signal_group(self.server, sig)
+                if deadline is None:
+                    escalation, deadline = list(ESCALATION[sig]), time.monotonic() + self.grace_s
+            elif deadline is not None and time.monotonic() >= deadline:
+                nxt = escalation.pop(0)
+                log.warning("the server is still running %.0f s after the last signal; sending it %s",
+                            self.grace_s, signal.Signals(nxt).name)
+                self._signal_group(self.server, nxt)
+                deadline = time.monotonic() + self.grace_s if escalation else None
 
     # -- daemons -------------------------------------------------------------------------------------
 
-    def _start_daemon(self, slot: Slot) -> None:
-        argv = [*self.daemon_argv, "--host", self.host, "--cache-queue-port", str(slot.cache_queue_port),
-                "--metrics-port", str(slot.metrics_port), "--storage-dir", slot.storage_dir, *self.daemon_args]
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=slot.gpu)
-        child = Child(f"kvswapd gpu {slot.gpu}", argv, env)
+    def _start_daemon(self, spec: DaemonSpec) -> None:
+        argv = [*self.daemon_argv, "--host", self.host, "--cache-queue-port", str(spec.cache_queue_port),
+                "--metrics-port", str(spec.metrics_port), "--storage-dir", spec.storage_dir, *self.daemon_args]
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=spec.gpu)
+        child = Child(f"kvswapd gpu {spec.gpu}", argv, env)
         if self.log_dir:
-            child.log_path = os.path.join(self.log_dir, f"kvswapd-{slot.gpu}.log")
+            child.log_path = os.path.join(self.log_dir, f"kvswapd-{spec.gpu}.log")
         self._spawn(child)
         self.daemons.append(child)
-        self._write_pid_file(f"kvswapd-{slot.gpu}", child.pid)
+        self._write_pid_file(f"kvswapd-{spec.gpu}", child.pid)
         log.info("started kvswapd gpu=%s pid=%d cache_queue_port=%d metrics_port=%d storage_dir=%s",
-                 slot.gpu, child.pid, slot.cache_queue_port, slot.metrics_port, slot.storage_dir)
+                 spec.gpu, child.pid, spec.cache_queue_port, spec.metrics_port, spec.storage_dir)
 
-    def _wait_ready(self) -> tuple[int | None, list[Slot]]:
+    def _wait_ready(self) -> tuple[int | None, list[DaemonSpec]]:
         """Poll every daemon's /readyz until all answer 200, one exits, a signal comes or the
-        deadline passes. Returns the interrupting signal (if one came) and the slots not ready."""
+        deadline passes. Returns the interrupting signal (if one came) and the specs not ready."""
         deadline = time.monotonic() + self.ready_timeout_s
-        waiting = list(self.slots)
+        waiting = list(self.specs)
         while True:
             waiting = [s for s in waiting if not self._is_ready(s)]
             if not waiting or time.monotonic() >= deadline:
@@ -226,8 +252,8 @@ class Launcher:
             if self._dead_daemon() is not None:
                 return None, waiting
 
-    def _is_ready(self, slot: Slot) -> bool:
-        url = f"http://{self._probe_host()}:{slot.metrics_port}/readyz"
+    def _is_ready(self, spec: DaemonSpec) -> bool:
+        url = f"http://{self._probe_host()}:{spec.metrics_port}/readyz"
         try:
             with urllib.request.urlopen(url, timeout=1) as resp:
                 return resp.status == 200
@@ -240,6 +266,20 @@ class Launcher:
         if self.host == "::":
             return "[::1]"
         return f"[{self.host}]" if ":" in self.host else self.host
+
+    def _show_log_tail(self, child: Child) -> None:
+        """The end of a failed daemon's log file, where its reason is. Without ``--log-dir``
+        its output went to the launcher's stderr already."""
+        if not child.log_path:
+            return
+        try:
+            with open(child.log_path, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - 64 * 1024))
+                lines = f.read().decode("utf-8", "replace").splitlines()[-LOG_TAIL_LINES:]
+        except OSError as exc:
+            log.error("cannot read %s: %s", child.log_path, exc.strerror or exc)
+            return
+        log.error("last lines of %s:\n%s", child.log_path, "\n".join(f"  | {line}" for line in lines))
 
     def _dead_daemon(self) -> Child | None:
         return next((d for d in self.daemons if d.returncode is not None), None)
@@ -325,8 +365,8 @@ class Launcher:
     def _server_env(self) -> dict[str, str]:
         host = self._probe_host()
         return dict(os.environ,
-                    KVSWAP_ENDPOINTS=",".join(f"tcp://{host}:{s.cache_queue_port}" for s in self.slots),
-                    KVSWAP_METRICS_URLS=",".join(f"http://{host}:{s.metrics_port}/metrics" for s in self.slots))
+                    KVSWAP_ENDPOINTS=",".join(f"tcp://{host}:{s.cache_queue_port}" for s in self.specs),
+                    KVSWAP_METRICS_URLS=",".join(f"http://{host}:{s.metrics_port}/metrics" for s in self.specs))
 
     def _write_pid_file(self, name: str, pid: int) -> None:
         if self.pid_dir:
@@ -339,11 +379,21 @@ class Launcher:
     def _remove_pid_files(self) -> None:
         if not self.pid_dir:
             return
-        for name in ["server", *(f"kvswapd-{s.gpu}" for s in self.slots)]:
+        for name in ["server", *(f"kvswapd-{s.gpu}" for s in self.specs)]:
             try:
                 os.unlink(os.path.join(self.pid_dir, f"{name}.pid"))
             except FileNotFoundError:
                 pass
+
+
+def command_problem(command: str, path: str) -> str:
+    """Why ``command`` cannot be executed ("" if it can): ``not found`` or ``not executable``,
+    looked up the way exec does (a name with a slash as a path, else along ``path``)."""
+    if "/" in command:
+        if not os.path.exists(command):
+            return "not found"
+        return "" if os.path.isfile(command) and os.access(command, os.X_OK) else "not executable"
+    return "" if shutil.which(command, path=path) else "not found"
 
 
 def _spawn(argv: list[str], env: dict[str, str], out_fd: int | None) -> subprocess.Popen:
@@ -382,8 +432,9 @@ def _parent_death_signal_setter() -> Callable[[int], None]:
               help="Cache-queue port of the first GPU's daemon; the i-th GPU listed gets base + i.")
 @click.option("--base-metrics-port", type=click.IntRange(1, 65535), default=55600,
               help="Metrics port of the first GPU's daemon; the i-th GPU listed gets base + i.")
-@click.option("--storage-dir", required=True,
-              help="Store root for every daemon; {gpu} or {index} in it gives each daemon its own directory.")
+@click.option("--storage-dir", envvar="KVSWAP_STORAGE_DIR", default=None, show_default=False,
+              help="Store root for every daemon; {gpu} or {index} in it gives each daemon its own directory. "
+                   "[default: $KVSWAP_STORAGE_DIR, else $FILE_BACKEND_STORAGE_DIR, else ./kvswap-store]")
 @click.option("--host", default="127.0.0.1", help="Address the daemons bind to.")
 @click.option("--daemon-arg", "daemon_args", multiple=True,
               help="Extra kvswapd argument, repeatable: --daemon-arg=--fsync=data. KVSWAP_* variables pass "
@@ -391,13 +442,14 @@ def _parent_death_signal_setter() -> Callable[[int], None]:
 @click.option("--ready-timeout-s", type=click.FloatRange(0.1), default=120.0,
               help="How long every daemon may take to answer /readyz.")
 @click.option("--grace-s", type=click.FloatRange(0), default=40.0,
-              help="After SIGTERM, how long a daemon (or the server) may take to exit before SIGKILL.")
+              help="After SIGTERM, how long a daemon (or the server) may take to exit before SIGKILL; also "
+                   "how long a server may ignore a forwarded SIGINT before it gets SIGTERM.")
 @click.option("--pid-dir", type=click.Path(file_okay=False), default=None,
               help="Write server.pid and kvswapd-<gpu>.pid here while running.")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None,
               help="Write each daemon's output to kvswapd-<gpu>.log here instead of the launcher's stderr.")
 @click.argument("server_command", nargs=-1, required=True, type=click.UNPROCESSED)
-def launch(gpus: str, base_cache_queue_port: int, base_metrics_port: int, storage_dir: str, host: str,
+def launch(gpus: str, base_cache_queue_port: int, base_metrics_port: int, storage_dir: str | None, host: str,
            daemon_args: tuple[str, ...], ready_timeout_s: float, grace_s: float, pid_dir: str | None,
            log_dir: str | None, server_command: tuple[str, ...]) -> None:
     """Start one kvswapd per GPU, wait until all are ready, then run SERVER_COMMAND.
@@ -408,14 +460,16 @@ def launch(gpus: str, base_cache_queue_port: int, base_metrics_port: int, storag
     failed to start; 4: a daemon died while the server ran). The server finds the daemons in
     KVSWAP_ENDPOINTS and KVSWAP_METRICS_URLS (comma-separated, in --gpus order).
     """
+    from kvswap.daemon.config import default_storage_dir
+
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="kvswap launch: %(message)s")
     try:
-        slots = plan(parse_gpus(gpus), base_cache_queue_port, base_metrics_port, storage_dir)
+        specs = plan(parse_gpus(gpus), base_cache_queue_port, base_metrics_port, storage_dir or default_storage_dir())
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     for d in (pid_dir, log_dir):
         if d:
             os.makedirs(d, exist_ok=True)
-    launcher = Launcher(slots, list(server_command), host=host, daemon_args=list(daemon_args),
+    launcher = Launcher(specs, list(server_command), host=host, daemon_args=list(daemon_args),
                         ready_timeout_s=ready_timeout_s, grace_s=grace_s, pid_dir=pid_dir, log_dir=log_dir)
     sys.exit(launcher.run())

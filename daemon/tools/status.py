@@ -2,8 +2,10 @@
 
 Asks the daemon for ``stats`` twice, ``--interval`` seconds apart, and shows its registration,
 tiers, staging, work in flight and what changed in between (records and bytes stored per
-second). With ``--metrics-url`` it also reads ``/metrics`` at both samples and adds request,
-error, byte, block and lookup-hit rates. ``--json`` prints the same report as one JSON object.
+second). It also reads ``/metrics`` at both samples, at the address ``stats`` names (or
+``--metrics-url``), and adds request, error, byte, block and lookup-hit rates; when the
+metrics cannot be read the report is printed without them and says why. ``--json`` prints
+the same report as one JSON object.
 """
 
 from __future__ import annotations
@@ -54,6 +56,76 @@ def normalize_endpoint(value: str) -> str:
     if value.isdigit():
         return f"tcp://127.0.0.1:{value}"
     return f"tcp://{value}"
+
+
+def normalize_metrics_url(value: str) -> str:
+    """``55601`` -> ``http://127.0.0.1:55601/metrics``; ``HOST:PORT`` (``[::1]:55601`` for
+    IPv6) -> ``http://HOST:PORT/metrics``; a URL without a path gets ``/metrics``.
+
+    >>> [normalize_metrics_url(v) for v in ("55601", "[::1]:55601", "http://gpu0:55601")]
+    ['http://127.0.0.1:55601/metrics', 'http://[::1]:55601/metrics', 'http://gpu0:55601/metrics']
+    """
+    if value.isdigit():
+        return f"http://127.0.0.1:{value}/metrics"
+    if "://" not in value:
+        value = f"http://{value}"
+    scheme, _, rest = value.partition("://")
+    return value if "/" in rest else f"{scheme}://{rest}/metrics"
+
+
+def metrics_url_from_stats(endpoint: str, stats: dict[str, Any]) -> str | None:
+    """Where the daemon serves /metrics, from its ``stats``: its metrics port, on the host the
+    control endpoint names unless the daemon binds metrics to one address of its own.
+
+    >>> metrics_url_from_stats("tcp://gpu0:55500", {"metrics_port": 55600, "metrics_host": "0.0.0.0"})
+    'http://gpu0:55600/metrics'
+    >>> metrics_url_from_stats("tcp://127.0.0.1:55500", {"metrics_port": 55600, "metrics_host": "::1"})
+    'http://[::1]:55600/metrics'
+    """
+    port = stats.get("metrics_port")
+    if not isinstance(port, int) or port <= 0:
+        return None
+    bound = stats.get("metrics_host") or ""
+    host = endpoint.partition("://")[2].rpartition(":")[0] if endpoint.startswith("tcp://") else ""
+    if bound not in ("", "0.0.0.0", "::") or not host or host == "*":
+        host = bound if bound not in ("", "0.0.0.0", "::") else "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{port}/metrics"
+
+
+def diagnose_handshake(endpoint: str, timeout_s: float) -> str:
+    """Why a plain (no CURVE) connection to ``endpoint`` gets no answer: ``"curve"`` when the
+    daemon refused the handshake because it demands CURVE, ``"refused"`` when nothing accepted
+    the TCP connection, ``""`` otherwise. Watches the socket's monitor events; sends nothing."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if "://[" in endpoint:
+        sock.setsockopt(zmq.IPV6, 1)
+    monitor = sock.get_monitor_socket()
+    connected = False
+    try:
+        sock.connect(endpoint)
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not monitor.poll(int(left * 1000) + 1):
+                break
+            event = recv_monitor_message(monitor)
+            if event["event"] == zmq.EVENT_CONNECTED:
+                connected = True
+            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and \
+                    event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                return "curve"
+            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                return ""
+    finally:
+        sock.disable_monitor()
+        monitor.close(0)
+        sock.close(0)
+    return "" if connected else "refused"
 
 
 def read_metrics(url: str, timeout: float) -> Series:
@@ -109,18 +181,36 @@ def collect(client: Any, interval_s: float, metrics_url: str | None = None, time
     ``pause`` is what happens between the samples (``time.sleep``); a test passes a function
     that does known work instead, and checks the deltas count exactly that work.
     """
-    first_metrics = read_metrics(metrics_url, timeout_s) if metrics_url and interval_s > 0 else None
-    first = client.stats() if interval_s > 0 else None
+    first = client.stats()
+    if metrics_url is None:
+        metrics_url = metrics_url_from_stats(client.endpoint, first)
+    metrics_error: list[str] = []
+
+    def sample_metrics() -> Series | None:
+        """One /metrics sample; None (and the reason kept) when it cannot be read, since the
+        stats part of the report stands on its own."""
+        if not metrics_url or metrics_error:
+            return None
+        try:
+            return read_metrics(metrics_url, timeout_s)
+        except (OSError, ValueError) as exc:
+            metrics_error.append(f"{getattr(exc, 'reason', None) or exc}")
+            return None
+
+    first_metrics = sample_metrics() if interval_s > 0 else None
     started = time.monotonic()
     if interval_s > 0:
         pause(interval_s)
-    second = client.stats()
+        second = client.stats()
+    else:
+        first, second = None, first
     elapsed = time.monotonic() - started
-    second_metrics = read_metrics(metrics_url, timeout_s) if metrics_url else None
+    second_metrics = sample_metrics()
 
     report: dict[str, Any] = {
         "endpoint": client.endpoint,
         "metrics_url": metrics_url,
+        "metrics_error": metrics_error[0] if metrics_error else None,
         "version": second.get("version"),
         "uptime_s": second.get("uptime_s"),
         "storage_dir": second.get("storage_dir"),
@@ -279,7 +369,9 @@ def render_table(report: dict[str, Any]) -> str:
             if any(per_s.get("evictions", {}).values()):
                 lines.append(f"  evictions/s   {_rate_list(per_s['evictions'])}")
         else:
-            lines.append("  (request, byte and hit rates: add --metrics-url http://HOST:METRICS_PORT/metrics)")
+            lines.append("  (request, byte and hit rates need /metrics: see below, or pass --metrics-url HOST:PORT)")
+    if report.get("metrics_error"):
+        lines += ["", f"Metrics       {report['metrics_url']}: {report['metrics_error']} (rates from stats only)"]
     return "\n".join(lines) + "\n"
 
 
@@ -289,7 +381,8 @@ def render_table(report: dict[str, Any]) -> str:
 @click.option("--interval", "interval_s", type=click.FloatRange(0), default=1.0,
               help="Seconds between the two samples the rates come from (0: one sample, no rates).")
 @click.option("--metrics-url", default=None,
-              help="The daemon's /metrics (http://127.0.0.1:55600/metrics) for request, byte and hit rates.")
+              help="The daemon's /metrics for request, byte and hit rates: a URL, HOST:PORT or PORT. "
+                   "[default: the metrics port the daemon reports]")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(0.1), default=5.0, help="Seconds to wait for an answer.")
 @click.option("--curve-server-key-file", default=None, help="The daemon's public key certificate, when CURVE is on.")
 @click.option("--curve-secret-key-file", default=None, help="This client's secret key certificate, when CURVE is on.")
@@ -306,15 +399,22 @@ def status(endpoint: str, as_json: bool, interval_s: float, metrics_url: str | N
     target = normalize_endpoint(endpoint)
     try:
         with Client(target, timeout=timeout_s, **curve) as client:
-            report = collect(client, interval_s, metrics_url, timeout_s)
+            report = collect(client, interval_s, normalize_metrics_url(metrics_url) if metrics_url else None,
+                             timeout_s)
     except KvswapError as exc:
-        click.echo(f"kvswap status: {target}: {exc.code}: {exc.message}", err=True)
-        sys.exit(1)
-    except OSError as exc:  # /metrics unreachable
-        click.echo(f"kvswap status: {metrics_url}: {getattr(exc, 'reason', None) or exc}", err=True)
+        hint = ""
+        if exc.code in ("timeout", "unavailable") and not curve:
+            hint = {"curve": "; the daemon demands CURVE: pass --curve-server-key-file (its .key) and "
+                             "--curve-secret-key-file (this client's .key_secret)",
+                    "refused": "; nothing accepts connections there (is kvswapd running, on this port?)",
+                    }.get(diagnose_handshake(target, min(timeout_s, 2.0)), "")
+        click.echo(f"kvswap status: {target}: {exc.code}: {exc.message}{hint}", err=True)
         sys.exit(1)
     except ValueError as exc:  # bad CURVE key files
         raise click.UsageError(str(exc)) from None
+    if report.get("metrics_error"):
+        click.echo(f"kvswap status: {report['metrics_url']}: {report['metrics_error']}; "
+                   "the report below has no request rates", err=True)
     if as_json:
         click.echo(json.dumps(report, indent=2, sort_keys=True))
     else:

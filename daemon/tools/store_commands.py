@@ -72,15 +72,27 @@ def verify(directory: str, remove: bool, as_json: bool) -> None:
 @click.command()
 @click.argument("directory", type=click.Path(exists=True, file_okay=False))
 @click.option("--max-bytes", type=BYTES, required=True, help="Evict least recently used records down to this.")
+@click.option("--all", "remove_all", is_flag=True, help="Confirm that --max-bytes 0 means: remove every record.")
+@click.option("--dry-run", is_flag=True, help="Delete nothing; report what would be removed.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def gc(directory: str, max_bytes: int, as_json: bool) -> None:
-    """Offline eviction: delete least recently used records until DIRECTORY holds MAX_BYTES."""
-    report = _with_progress(directory, "collecting", lambda p: file_tools.gc(directory, max_bytes, p), as_json)
+def gc(directory: str, max_bytes: int, remove_all: bool, dry_run: bool, as_json: bool) -> None:
+    """Offline eviction: delete least recently used records until DIRECTORY holds MAX_BYTES.
+
+    Exit code 1 when a namespace was skipped (a running daemon holds its eviction lock) or a
+    record could not be removed: the directory may still hold more than MAX_BYTES.
+    """
+    if max_bytes == 0 and not remove_all:
+        raise click.UsageError("--max-bytes 0 removes every record; add --all to mean it")
+    report = _with_progress(directory, "collecting",
+                            lambda p: file_tools.gc(directory, max_bytes, p, dry_run=dry_run), as_json)
     if as_json:
-        click.echo(json.dumps(asdict(report), indent=2))
-        return
-    click.echo(f"{_mib(report.before_bytes)} -> {_mib(report.after_bytes)}: removed {report.removed:,} records")
-    for ns in report.skipped_namespaces:
-        click.echo(f"  skipped namespace {ns}: a running daemon holds its eviction lock")
-    if report.failures:
-        click.echo(f"  {report.failures} records could not be removed")
+        click.echo(json.dumps({**asdict(report), "dry_run": dry_run}, indent=2))
+    else:
+        verb = "would remove" if dry_run else "removed"
+        click.echo(f"{_mib(report.before_bytes)} -> {_mib(report.after_bytes)}: {verb} {report.removed:,} records"
+                   + (" (dry run: nothing was deleted)" if dry_run else ""))
+        for ns in report.skipped_namespaces:
+            click.echo(f"  skipped namespace {ns}: a running daemon holds its eviction lock")
+        if report.failures:
+            click.echo(f"  {report.failures} records could not be removed")
+    sys.exit(1 if report.skipped_namespaces or report.failures else 0)
