@@ -46,6 +46,10 @@ class Caller:
     pid: int = 0
 
 
+#: A caller that says nothing about itself (a protocol client that sends neither field).
+ANONYMOUS = Caller()
+
+
 class Registrar:
     def __init__(self, backends: dict[str, Backend], locations: Locations, staging: Staging, metrics: Metrics) -> None:
         self.backends = backends

@@ -34,7 +34,7 @@ from .config import Config
 from .inflight import InflightTable, InflightWrite
 from .metrics import Metrics
 from .movers.segment import SegmentShrunk
-from .registrar import Caller, Registrar
+from .registrar import ANONYMOUS, Caller, Registrar
 from .registration import Lease, Registration
 from .staging import Slot, Staging
 from .tiers import Locations, NamespaceTiers
@@ -143,7 +143,7 @@ class Swapper:
     # -- swap_out -------------------------------------------------------------------------------
 
     async def swap_out(self, block_ids: Sequence[int], keys: Sequence[str], wait: str, deadline: Deadline,
-                       partial: bool = False, caller: Caller = Caller()) -> dict[str, Any]:
+                       partial: bool = False, caller: Caller = ANONYMOUS) -> dict[str, Any]:
         lease = self.registrar.lease(caller)
         # Shielded with its lease: a caller that gives up must not let the registration be
         # unmapped while a copy thread still reads from it.
@@ -253,7 +253,7 @@ class Swapper:
     # -- swap_in ----------------------------------------------------------------------------------
 
     async def swap_in(self, keys: Sequence[str], block_ids: Sequence[int], deadline: Deadline,
-                      caller: Caller = Caller()) -> dict[str, Any]:
+                      caller: Caller = ANONYMOUS) -> dict[str, Any]:
         lease = self.registrar.lease(caller)
         return await asyncio.shield(self._holding(lease, self._swap_in(lease, keys, block_ids, deadline)))
 
