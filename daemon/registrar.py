@@ -99,9 +99,11 @@ class Registrar:
     async def register(self, layout: dict[str, Any], handles: Sequence[dict], regions: Sequence[dict],
                        pid: int) -> dict[str, Any]:
         async with self._serialised():
-            await self._check_holder(pid)
+            # Validated and opened first, so bad input gets its own error whoever holds the
+            # registration; a refused engine's memory is closed again below.
             registration = await self._run(Registration.attach, layout, handles, regions, pid)
             try:
+                await self._check_holder(pid)
                 tiers = self.namespaces.get(registration.namespace)
                 if tiers is None:
                     tiers = await self._run(self._open_namespace, registration)
@@ -193,13 +195,14 @@ class Registrar:
     @staticmethod
     def check_caller(registration: Registration, caller: Caller) -> None:
         """The request's token must name this registration; without one, its pid must be the
-        holder's. A holder that gave no pid accepts callers that give none."""
+        holder's. A request that says neither is taken as the holder's, as protocol clients
+        that predate these fields expect (the shipped clients always send both)."""
         if caller.token:
             if caller.token != registration.token:
                 raise NotRegistered("the registration this client made was released or replaced; register again",
                                     reason="replaced")
             return
-        if caller.pid != registration.pid:
+        if caller.pid and caller.pid != registration.pid:
             raise RegistrationHeld(f"this daemon's cache registration belongs to pid {registration.pid}; this "
                                    f"request comes from pid {caller.pid}", holder_pid=registration.pid,
                                    pid=caller.pid)

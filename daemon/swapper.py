@@ -184,6 +184,9 @@ class Swapper:
         chunks, failure = await self._run(self._copy_pool, _gather_and_submit, registration,
                                           [block_ids[i] for i in todo], [e.slot.view for _, e in entries],
                                           _live(registration, deadline), submit)
+        # The engine's memory is no longer needed (the writes read staging): a release need
+        # not wait for them.
+        lease.release()
         copied = chunks[-1][1] if chunks else 0
         # Records not gathered (deadline passed, release, or a failure) are dropped; the rest
         # are readable from staging until their write ends.
