@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_gpu_movers import twin_mover
+from test_gpu_plans import GATHER, KINDS, Engine
 
 from kvswap.daemon.movers.base import Mover
 from kvswap.daemon.movers.host import HostMover
 from kvswap.daemon.movers.segment import SegmentMover
 from kvswap.protocol.errors import NotRegistered
-from test_gpu_movers import twin_mover
-from test_gpu_plans import GATHER, KINDS, Engine
 
 
 @pytest.fixture(params=sorted(KINDS))
