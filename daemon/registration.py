@@ -96,9 +96,10 @@ class Registration:
     def attach(cls, layout_wire: dict[str, Any], handles: Sequence[dict[str, Any]],
                regions: Sequence[dict[str, Any]], pid: int, gpu_backend: str | None = None,
                gpu_staging_bytes: int | None = None) -> "Registration":
-        """Validate and map an engine's cache. ``gpu_backend`` (``auto``, ``paddle``, ``cupy``;
-        default: ``KVSWAP_GPU_BACKEND``, else ``auto``) and ``gpu_staging_bytes`` (device staging
-        per mover) apply to ``cuda_ipc`` handles only."""
+        """Validate and open an engine's cache. ``gpu_backend`` (the GPU framework: ``auto``,
+        ``paddle``, ``cupy``; default: ``KVSWAP_GPU_BACKEND``, else ``auto``; both names keep
+        the old word for compatibility) and ``gpu_staging_bytes`` (device staging per mover)
+        apply to ``cuda_ipc`` handles only."""
         layout = CacheLayout.from_wire(layout_wire)
         placements = cls._placements(layout, handles, regions)
         kinds = [h.get("kind") for h in handles]
