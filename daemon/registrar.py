@@ -1,9 +1,16 @@
 """Which engine's cache the daemon serves: registering it, handing out leases on it, and
-releasing it (unregister, replacement, engine death, shutdown).
+releasing it (unregister, replacement, engine death, a shrunk segment, shutdown).
 
-A request that touches the engine's memory holds a :class:`~.registration.Lease` on the
-registration it was validated against, from validation to its last copy. Releasing a
-registration marks it closing (no new leases), waits for the leases held, then unmaps.
+Ownership (docs/protocol.md, "Registration ownership"): a registration belongs to the engine
+process that sent it (``pid``). While that process lives, a ``register`` from another process
+is refused with ``registration_held`` naming the holder; the same process registering again
+replaces its registration; a holder whose process is gone is released on the spot.
+
+A request that touches the engine's memory says who sends it (the token its client got from
+``register``, and its pid) and holds a :class:`~.registration.Lease` on the registration it
+was validated against, from validation to its last copy. Releasing a registration marks it
+closing (no new leases; copies in progress stop at their next block and answer
+``not_registered``), waits for the leases held, then closes the engine's memory.
 
 The stores of each namespace opened so far are kept here too: a restarting engine of the
 same layout finds its index warm.
@@ -15,10 +22,11 @@ import asyncio
 import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from kvswap.backends.base import Backend, Store
-from kvswap.protocol.errors import NotRegistered
+from kvswap.protocol.errors import NotRegistered, RegistrationHeld
 
 from .metrics import Metrics
 from .registration import Lease, Registration
@@ -27,6 +35,19 @@ from .tiers import Locations, NamespaceTiers
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sends a request: the registration token its client holds ("" if none) and its
+    process id (0 if it did not say)."""
+
+    token: str = ""
+    pid: int = 0
+
+
+#: A caller that says nothing about itself (a protocol client that sends neither field).
+ANONYMOUS = Caller()
 
 
 class Registrar:
@@ -78,8 +99,11 @@ class Registrar:
     async def register(self, layout: dict[str, Any], handles: Sequence[dict], regions: Sequence[dict],
                        pid: int) -> dict[str, Any]:
         async with self._serialised():
+            # Validated and opened first, so bad input gets its own error whoever holds the
+            # registration; a refused engine's memory is closed again below.
             registration = await self._run(Registration.attach, layout, handles, regions, pid)
             try:
+                await self._check_holder(pid)
                 tiers = self.namespaces.get(registration.namespace)
                 if tiers is None:
                     tiers = await self._run(self._open_namespace, registration)
@@ -89,7 +113,7 @@ class Registrar:
                 await self._run(self.staging.prepare, registration.record_bytes)
                 await self._run(self.staging.pin, registration.mover)
             except BaseException:
-                registration.close()
+                await self._run(registration.close)
                 raise
             if self.current is not None:
                 await self._release(self.current, "replaced")
@@ -106,7 +130,21 @@ class Registrar:
                  pid, len(registration.placements), registration.layout.num_blocks, registration.record_bytes)
         assert self.staging.write is not None
         return {"namespace": registration.namespace, "record_bytes": registration.record_bytes,
-                "write_slots": self.staging.write.capacity}
+                "write_slots": self.staging.write.capacity, "token": registration.token}
+
+    async def _check_holder(self, pid: int) -> None:
+        """Refuse a register while another live engine holds the registration; release a holder
+        whose process is gone. The same pid (or a holder that gave none) is replaced later."""
+        holder = self.current
+        if holder is None or holder.pid == 0 or holder.pid == pid:
+            return
+        if await self._run(holder.engine_alive):
+            log.warning("register from pid %d refused: pid %d holds the registration", pid, holder.pid)
+            raise RegistrationHeld(f"this daemon's cache registration belongs to pid {holder.pid}, which is alive; "
+                                   "one daemon serves one engine (check the cache-queue port of this engine)",
+                                   holder_pid=holder.pid, namespace=holder.namespace, pid=pid)
+        log.warning("engine pid %d is gone; releasing its registration for pid %d", holder.pid, pid)
+        await self._release(holder, "engine_exited")
 
     def _open_namespace(self, registration: Registration) -> NamespaceTiers:
         stores = {tier: backend.open_store(registration.namespace, registration.layout.to_wire(),
@@ -114,10 +152,11 @@ class Registrar:
                   for tier, backend in self.backends.items()}
         return NamespaceTiers(stores, self.locations, self.metrics)
 
-    async def unregister(self) -> bool:
+    async def unregister(self, caller: Caller) -> bool:
         async with self._serialised():
             if self.current is None:
                 return False
+            self.check_caller(self.current, caller)
             await self._release(self.current, "unregistered")
             return True
 
@@ -144,9 +183,37 @@ class Registrar:
 
     # -- leases -----------------------------------------------------------------------------------
 
-    def lease(self) -> Lease:
-        """A lease on the current registration, for a request about to use it."""
+    def lease(self, caller: Caller) -> Lease:
+        """A lease on the registration ``caller`` is entitled to, for a request about to use it
+        (taken on the loop, with no await between the check and the lease)."""
         registration = self.current
         if registration is None:
             raise NotRegistered("no cache is registered; send register first")
+        self.check_caller(registration, caller)
         return registration.lease()
+
+    @staticmethod
+    def check_caller(registration: Registration, caller: Caller) -> None:
+        """The request's token must name this registration; without one, its pid must be the
+        holder's. A request that says neither is taken as the holder's, as protocol clients
+        that predate these fields expect (the shipped clients always send both)."""
+        if caller.token:
+            if caller.token != registration.token:
+                raise NotRegistered("the registration this client made was released or replaced; register again",
+                                    reason="replaced")
+            return
+        if caller.pid and caller.pid != registration.pid:
+            raise RegistrationHeld(f"this daemon's cache registration belongs to pid {registration.pid}; this "
+                                   f"request comes from pid {caller.pid}", holder_pid=registration.pid,
+                                   pid=caller.pid)
+
+    def fail(self, registration: Registration, reason: str) -> None:
+        """Stop new requests on ``registration`` now and release it in the background (a
+        request that found its memory unusable; it must answer, not wait for the release)."""
+        registration.close_soon()
+
+        def released(task: asyncio.Future) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                log.error("releasing the registration of pid %d failed: %s", registration.pid, task.exception())
+
+        asyncio.ensure_future(self.release(registration, reason)).add_done_callback(released)

@@ -11,9 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 from typing import TYPE_CHECKING, Any, Sequence
-
-import numpy as np
 
 from kvswap.protocol.errors import InvalidLayout, NotRegistered, OutOfRange
 from kvswap.protocol.layout import CacheLayout
@@ -22,7 +21,7 @@ from kvswap.protocol.shm import SharedSegment
 from .movers.base import Mover
 from .movers.copy_plan import Placement
 from .movers.gpu_plan import check_fits
-from .movers.host import HostMover
+from .movers.segment import SegmentMover
 
 #: Memory handle kinds a registration may use: POSIX shared memory (CPU engines, tests, the
 #: demo) and CUDA IPC (an engine's GPU cache; see docs/gpu.md).
@@ -75,10 +74,14 @@ class Registration:
         self.namespace = layout.fingerprint()
         self.placements = placements
         self.segments = segments
-        #: A HostMover (shm handles) or a GPU DeviceMover (cuda_ipc handles): the same
+        #: A SegmentMover (shm handles) or a GPU DeviceMover (cuda_ipc handles): the same
         #: record-level interface either way.
         self.mover = mover
+        #: The engine this registration belongs to (0: an engine that did not say).
         self.pid = pid
+        #: Names this registration (not the engine): requests made under it carry it, so a
+        #: request is never applied to a later registration, even from the same pid.
+        self.token = secrets.token_hex(16)
         #: The namespace's stores, set when the registration is installed.
         self.tiers: NamespaceTiers | None = None
         self._users = 0
@@ -93,9 +96,10 @@ class Registration:
     def attach(cls, layout_wire: dict[str, Any], handles: Sequence[dict[str, Any]],
                regions: Sequence[dict[str, Any]], pid: int, gpu_backend: str | None = None,
                gpu_staging_bytes: int | None = None) -> "Registration":
-        """Validate and map an engine's cache. ``gpu_backend`` (``auto``, ``paddle``, ``cupy``;
-        default: ``KVSWAP_GPU_BACKEND``, else ``auto``) and ``gpu_staging_bytes`` (device staging
-        per mover) apply to ``cuda_ipc`` handles only."""
+        """Validate and open an engine's cache. ``gpu_backend`` (the GPU framework: ``auto``,
+        ``paddle``, ``cupy``; default: ``KVSWAP_GPU_BACKEND``, else ``auto``; both names keep
+        the old word for compatibility) and ``gpu_staging_bytes`` (device staging per mover)
+        apply to ``cuda_ipc`` handles only."""
         layout = CacheLayout.from_wire(layout_wire)
         placements = cls._placements(layout, handles, regions)
         kinds = [h.get("kind") for h in handles]
@@ -117,22 +121,23 @@ class Registration:
     @classmethod
     def _attach_shm(cls, layout: CacheLayout, placements: list[Placement], handles: Sequence[dict[str, Any]],
                     pid: int) -> "Registration":
+        # Opened, never mapped: see movers/segment.py for why (a truncated segment).
         segments: list[SharedSegment] = []
         try:
             for i, handle in enumerate(handles):
                 declared = _int_field(handle, "size", f"handles[{i}]", 1)
-                segment = SharedSegment.attach(handle.get("name"))  # type: ignore[arg-type]
+                segment = SharedSegment.attach(handle.get("name"), mapped=False)  # type: ignore[arg-type]
                 segments.append(segment)
                 if segment.size < declared:
                     raise InvalidLayout(f"handles[{i}] is {segment.size} bytes, smaller than the declared {declared}",
                                         field=f"handles[{i}].size")
             check_fits(placements, [seg.size for seg in segments], layout.num_blocks)
-            buffers = [np.frombuffer(s.buffer, dtype=np.uint8) for s in segments]
+            mover = SegmentMover(segments, placements, layout.record_bytes, layout.num_blocks)
         except BaseException:
             for s in segments:
                 s.close()
             raise
-        return cls(layout, placements, segments, HostMover(buffers, placements, layout.record_bytes), pid)
+        return cls(layout, placements, segments, mover, pid)
 
     @staticmethod
     def _placements(layout: CacheLayout, handles: Sequence[dict[str, Any]],
@@ -178,6 +183,10 @@ class Registration:
     def users(self) -> int:
         return self._users
 
+    def close_soon(self) -> None:
+        """Refuse new leases from now on; copies in progress stop at their next block."""
+        self._closing = True
+
     async def drain(self) -> None:
         """Refuse new leases and wait until every lease held is released."""
         self._closing = True
@@ -206,11 +215,10 @@ class Registration:
         return True
 
     def close(self) -> None:
+        """Let go of the engine's memory (blocking: the mover waits for copies in progress)."""
         self.mover.close()
         for segment in self.segments:
-            if not segment.close():
-                log.warning("segment %s still has views; it is unmapped when they go", segment.name)
-        self.segments = []
+            segment.close()
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -30,6 +30,7 @@ from kvswap.protocol.limits import MAX_KEYS_PER_REQUEST, MAX_KEY_LENGTH, MAX_MES
 from .config import Config
 from .curve import CurveError, CurveServer
 from .metrics import HealthServer, Metrics
+from .registrar import Caller
 from .swapper import Deadline, Swapper
 from .tiers import open_backends
 
@@ -330,8 +331,8 @@ class Daemon:
             "ping": self._ping,
             "register": self._register,
             "unregister": self._unregister,
-            "swap_out": lambda r, d: s.swap_out(r.block_ids, r.keys, r.wait, d, r.partial),
-            "swap_in": lambda r, d: s.swap_in(r.keys, r.block_ids, d),
+            "swap_out": lambda r, d: s.swap_out(r.block_ids, r.keys, r.wait, d, r.partial, Caller(r.token, r.pid)),
+            "swap_in": lambda r, d: s.swap_in(r.keys, r.block_ids, d, Caller(r.token, r.pid)),
             "lookup": lambda r, d: s.lookup(r.keys),
             "delete": lambda r, d: s.delete(r.keys),
             "clear": lambda r, d: s.clear(),
@@ -362,7 +363,7 @@ class Daemon:
         return await self.swapper.registrar.register(request.layout, request.handles, request.regions, request.pid)
 
     async def _unregister(self, request: m.Unregister, deadline: Deadline) -> dict[str, Any]:
-        return {"released": await self.swapper.registrar.unregister()}
+        return {"released": await self.swapper.registrar.unregister(Caller(request.token, request.pid))}
 
     async def _stats(self, request: m.Stats, deadline: Deadline) -> dict[str, Any]:
         out = self.swapper.stats()

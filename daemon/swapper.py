@@ -25,15 +25,16 @@ import functools
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 from kvswap.backends.base import Backend, GetStatus, Store
 from kvswap.protocol.errors import KvswapError, NotRegistered, Timeout
 
 from .config import Config
+from .inflight import InflightTable, InflightWrite
 from .metrics import Metrics
-from .registrar import Registrar
+from .movers.segment import SegmentShrunk
+from .registrar import ANONYMOUS, Caller, Registrar
 from .registration import Lease, Registration
 from .staging import Slot, Staging
 from .tiers import Locations, NamespaceTiers
@@ -63,16 +64,6 @@ class Deadline:
         return not self._expired and time.monotonic() < self.at
 
 
-@dataclass
-class InflightWrite:
-    """A record being copied into staging and written. swap_in reads from ``slot`` once
-    ``copied`` resolves; ``done`` resolves when the write ends, either way."""
-
-    slot: Slot
-    copied: asyncio.Future = field(repr=False)
-    done: asyncio.Future = field(repr=False)
-
-
 class Swapper:
     """The swap pipeline. Its parts: the :class:`~.registrar.Registrar` (whose cache, and the
     leases on it), :class:`~.staging.Staging` (slots) and :class:`~.upkeep.Upkeep` (background
@@ -87,7 +78,7 @@ class Swapper:
         self.registrar = Registrar(backends, locations, self.staging, metrics)
         self.upkeep = Upkeep(backends.values(), self.registrar, config.remote_check_interval_s)
         self.registrar.on_open_store = self.upkeep.start_scan
-        self._inflight: dict[str, InflightWrite] = {}
+        self._inflight = InflightTable()
         self._write_tasks: set[asyncio.Task] = set()
         self._write_pool: ThreadPoolExecutor | None = None
         self._read_pool: ThreadPoolExecutor | None = None
@@ -152,8 +143,8 @@ class Swapper:
     # -- swap_out -------------------------------------------------------------------------------
 
     async def swap_out(self, block_ids: Sequence[int], keys: Sequence[str], wait: str, deadline: Deadline,
-                       partial: bool = False) -> dict[str, Any]:
-        lease = self.registrar.lease()
+                       partial: bool = False, caller: Caller = ANONYMOUS) -> dict[str, Any]:
+        lease = self.registrar.lease(caller)
         # Shielded with its lease: a caller that gives up must not let the registration be
         # unmapped while a copy thread still reads from it.
         return await asyncio.shield(self._holding(lease, self._swap_out(lease, block_ids, keys, wait, deadline,
@@ -163,11 +154,13 @@ class Swapper:
                         deadline: Deadline, partial: bool) -> dict[str, Any]:
         registration, tiers = lease.registration, lease.tiers
         registration.check_blocks(block_ids)
+        namespace = registration.namespace
         status: list[str] = ["exists"] * len(keys)
         todo: list[int] = []
         seen: set[str] = set()
+        inflight = self._inflight.keys(namespace)
         for i, key in enumerate(keys):
-            if key in seen or key in self._inflight:
+            if key in seen or key in inflight:
                 continue
             seen.add(key)
             todo.append(i)
@@ -181,7 +174,7 @@ class Swapper:
         entries = [(keys[i], InflightWrite(slot, loop.create_future(), loop.create_future()))
                    for i, slot in zip(todo, slots)]
         for key, entry in entries:
-            self._inflight[key] = entry
+            self._inflight.add(namespace, key, entry)
         self.metrics.pending_writes.set(len(self._inflight))
 
         def submit(start: int, stop: int) -> Future:
@@ -189,21 +182,28 @@ class Swapper:
             return self._write_pool.submit(_write_chunk, tiers, items)  # type: ignore[union-attr]
 
         chunks, failure = await self._run(self._copy_pool, _gather_and_submit, registration,
-                                          [block_ids[i] for i in todo], [e.slot.view for _, e in entries], deadline,
-                                          submit)
+                                          [block_ids[i] for i in todo], [e.slot.view for _, e in entries],
+                                          _live(registration, deadline), submit)
+        # The engine's memory is no longer needed (the writes read staging): a release need
+        # not wait for them.
+        lease.release()
         copied = chunks[-1][1] if chunks else 0
-        # Records not gathered (deadline passed, or a failure) are dropped; the rest are
-        # readable from staging until their write ends.
+        # Records not gathered (deadline passed, release, or a failure) are dropped; the rest
+        # are readable from staging until their write ends.
         for key, entry in entries[copied:]:
-            self._drop_inflight(key, entry)
+            self._drop_inflight(namespace, key, entry)
         for _, entry in entries[:copied]:
             entry.copied.set_result(None)
-        task = asyncio.ensure_future(self._finish_writes(entries, chunks))
+        task = asyncio.ensure_future(self._finish_writes(namespace, entries, chunks))
         self._write_tasks.add(task)
         task.add_done_callback(self._write_tasks.discard)
         if failure is not None:
+            self._failed(registration, failure)
             raise failure
         if copied < len(entries):
+            if registration.closing:
+                raise NotRegistered("the registration was released while this swap_out copied its blocks",
+                                    copied=copied, blocks=len(entries))
             raise Timeout("deadline passed while copying blocks", copied=copied, blocks=len(entries))
         for i in todo:
             status[i] = "queued"
@@ -217,9 +217,14 @@ class Swapper:
         counts = {name: status.count(name) for name in ("queued", "stored", "exists", "skipped")}
         return {"status": status, **counts, "failed": len(status) - sum(counts.values())}
 
-    def _drop_inflight(self, key: str, entry: InflightWrite) -> None:
-        if self._inflight.get(key) is entry:
-            del self._inflight[key]
+    def _failed(self, registration: Registration, failure: BaseException) -> None:
+        """A request found the engine's memory unusable: release the registration."""
+        if isinstance(failure, SegmentShrunk):
+            log.warning("pid %d: %s; releasing its registration", registration.pid, failure.message)
+            self.registrar.fail(registration, "segment_shrunk")
+
+    def _drop_inflight(self, namespace: str, key: str, entry: InflightWrite) -> None:
+        self._inflight.drop(namespace, key, entry)
         self.metrics.pending_writes.set(len(self._inflight))
         if not entry.copied.done():
             entry.copied.set_exception(Timeout("the copy of this block was abandoned"))
@@ -228,7 +233,7 @@ class Swapper:
             entry.done.set_result(None)
         entry.slot.release()
 
-    async def _finish_writes(self, entries: list[tuple[str, "InflightWrite"]],
+    async def _finish_writes(self, namespace: str, entries: list[tuple[str, InflightWrite]],
                              chunks: list[tuple[int, int, Future]]) -> list[str]:
         """Wait for each chunk of writes; its records' in-flight entries go when it ends.
         Returns the per-record outcomes of the records copied."""
@@ -242,7 +247,7 @@ class Swapper:
             for (key, entry), outcome in zip(entries[start:stop], outcomes):
                 if outcome != "stored":
                     self.metrics.write_failures.labels(code=outcome).inc()
-                self._drop_inflight(key, entry)
+                self._drop_inflight(namespace, key, entry)
             return outcomes
 
         results = await asyncio.gather(*(finish(start, stop, write) for start, stop, write in chunks))
@@ -250,8 +255,9 @@ class Swapper:
 
     # -- swap_in ----------------------------------------------------------------------------------
 
-    async def swap_in(self, keys: Sequence[str], block_ids: Sequence[int], deadline: Deadline) -> dict[str, Any]:
-        lease = self.registrar.lease()
+    async def swap_in(self, keys: Sequence[str], block_ids: Sequence[int], deadline: Deadline,
+                      caller: Caller = ANONYMOUS) -> dict[str, Any]:
+        lease = self.registrar.lease(caller)
         return await asyncio.shield(self._holding(lease, self._swap_in(lease, keys, block_ids, deadline)))
 
     async def _swap_in(self, lease: Lease, keys: Sequence[str], block_ids: Sequence[int],
@@ -265,6 +271,7 @@ class Swapper:
         # The host mover scatters each record on its read thread as soon as it is read (reads
         # and copies overlap); GPU movers want the wave in one call (one upload, one kernel).
         per_record = not registration.mover.batches_scatter
+        live = _live(registration, deadline)
 
         async def load(indices: list[int]) -> None:
             slots: list[Slot] = []
@@ -274,7 +281,7 @@ class Swapper:
                 sources: dict[int, Slot] = {}
                 to_read = []
                 for i in indices:
-                    entry = self._inflight.get(keys[i])
+                    entry = self._inflight.get(registration.namespace, keys[i])
                     if entry is None:
                         to_read.append(i)
                         continue
@@ -286,24 +293,35 @@ class Swapper:
                         pass  # its copy was abandoned: a miss
                 slots_read = await self.staging.take_read(len(to_read))
                 slots.extend(slots_read)
+                # Every read ends before the slots go back, even when one fails: a read thread
+                # must never write into a slot another request has taken.
                 results = await asyncio.gather(*(
                     self._run(self._read_pool, _read_record, tiers, keys[i], slot.view,
-                              (registration, block_ids[i], deadline) if per_record else None)
-                    for i, slot in zip(to_read, slots_read)))
+                              (registration, block_ids[i], live) if per_record else None)
+                    for i, slot in zip(to_read, slots_read)), return_exceptions=True)
+                for result in results:
+                    if isinstance(result, BaseException):
+                        raise result
                 for i, slot, result in zip(to_read, slots_read, results):
                     status[i] = result
                     if result == "loaded" and not per_record:
                         sources[i] = slot
                 order = sorted(sources)
                 ok = await self._run(self._copy_pool, _scatter_many, registration, [block_ids[i] for i in order],
-                                     [sources[i].view for i in order], deadline)
+                                     [sources[i].view for i in order], live)
                 for i in order:
                     status[i] = "loaded" if ok else "error"
             finally:
                 await self.staging.release(slots)
 
-        for start in range(0, len(keys), wave):
-            await load(list(range(start, min(start + wave, len(keys)))))
+        try:
+            for start in range(0, len(keys), wave):
+                await load(list(range(start, min(start + wave, len(keys)))))
+        except BaseException as exc:
+            self._failed(registration, exc)
+            raise
+        if registration.closing:
+            raise NotRegistered("the registration was released while this swap_in copied its blocks")
         loaded = 0
         for s in status:
             if s != "loaded":
@@ -316,37 +334,40 @@ class Swapper:
 
     # -- lookup, delete, clear, flush ---------------------------------------------------------------
 
-    def _tiers(self) -> NamespaceTiers:
-        """The registered namespace's stores, for requests that do not touch engine memory."""
+    def _registered(self) -> Registration:
+        """The current registration, for requests that use its namespace but not its memory."""
         registration = self.registrar.current
         if registration is None or registration.tiers is None:
             raise NotRegistered("no cache is registered; send register first")
-        return registration.tiers
+        return registration
 
     async def lookup(self, keys: Sequence[str]) -> dict[str, Any]:
-        tiers = self._tiers()
-        # In-flight writes count as stored: a swap_in after this lookup will find them. The
-        # in-memory answer covers the common case on the loop itself (no thread hop); only a
-        # key no tier's index knows goes to the tiers themselves, on a read thread.
-        hits = tiers.cached_prefix(keys, self._inflight)
+        registration = self._registered()
+        tiers, inflight = registration.tiers, self._inflight.keys(registration.namespace)
+        assert tiers is not None
+        # In-flight writes of this namespace count as stored: a swap_in after this lookup will
+        # find them. The in-memory answer covers the common case on the loop itself (no thread
+        # hop); only a key no tier's index knows goes to the tiers themselves, on a read thread.
+        hits = tiers.cached_prefix(keys, inflight)
         if hits < len(keys):
-            inflight = set(self._inflight)
-            hits += await self._run(self._read_pool, tiers.prefix, keys[hits:], inflight)
+            hits += await self._run(self._read_pool, tiers.prefix, keys[hits:], set(inflight))
         self.metrics.lookup_keys.labels(result="hit").inc(hits)
         self.metrics.lookup_keys.labels(result="miss").inc(len(keys) - hits)
         return {"hits": hits}
 
     async def delete(self, keys: Sequence[str]) -> dict[str, Any]:
-        tiers = self._tiers()
+        registration = self._registered()
+        tiers = registration.tiers
         # A delete must not be undone by a write still landing: wait for those first.
-        pending = [self._inflight[k].done for k in keys if k in self._inflight]
+        entries = (self._inflight.get(registration.namespace, k) for k in keys)
+        pending = [entry.done for entry in entries if entry is not None]
         if pending:
             await asyncio.gather(*pending)
         deleted = await self._run(self._write_pool, _in_every_tier, tiers, lambda s: s.delete_many(list(keys)))
         return {"deleted": deleted}
 
     async def clear(self) -> dict[str, Any]:
-        tiers = self._tiers()
+        tiers = self._registered().tiers
         await self.flush()
         deleted = await self._run(self._write_pool, _in_every_tier, tiers, lambda s: s.clear())
         return {"deleted": deleted}
@@ -414,8 +435,14 @@ GATHER_CHUNK = 4
 READ_WAVE = 64
 
 
-def _gather_and_submit(registration: Registration, block_ids: list[int], slots: list[Any], deadline: Deadline,
-                       submit: Callable[[int, int], Future]) -> tuple[list[tuple[int, int, Future]],
+def _live(registration: Registration, deadline: Deadline) -> Callable[[], bool]:
+    """Whether a copy may go on touching the engine's memory: the request is within its
+    deadline and its registration is not being released."""
+    return lambda: deadline.live() and not registration.closing
+
+
+def _gather_and_submit(registration: Registration, block_ids: list[int], slots: list[Any],
+                       live: Callable[[], bool], submit: Callable[[int, int], Future]) -> tuple[list[tuple[int, int, Future]],
                                                                        BaseException | None]:
     """Gather blocks into their slots a chunk at a time and submit the chunk's writes as soon
     as it is copied, so copying block N+1 overlaps writing block N. Returns the chunks
@@ -426,7 +453,7 @@ def _gather_and_submit(registration: Registration, block_ids: list[int], slots: 
     try:
         for start in range(0, len(block_ids), GATHER_CHUNK):
             stop = min(start + GATHER_CHUNK, len(block_ids))
-            if not registration.mover.gather_blocks(block_ids[start:stop], slots[start:stop], deadline.live):
+            if not registration.mover.gather_blocks(block_ids[start:stop], slots[start:stop], live):
                 break
             chunks.append((start, stop, submit(start, stop)))
     except BaseException as exc:  # handed back to the loop, which answers with it
@@ -450,18 +477,19 @@ def _write_chunk(tiers: NamespaceTiers, items: list[tuple[str, memoryview]]) -> 
     return outcomes
 
 
-def _scatter_many(registration: Registration, block_ids: list[int], slots: list[Any], deadline: Deadline) -> bool:
+def _scatter_many(registration: Registration, block_ids: list[int], slots: list[Any],
+                  live: Callable[[], bool]) -> bool:
     if not block_ids:
         return True
-    return registration.mover.scatter_blocks(block_ids, slots, deadline.live)
+    return registration.mover.scatter_blocks(block_ids, slots, live)
 
 
 def _read_record(tiers: NamespaceTiers, key: str, slot: Any,
-                 scatter_to: tuple[Registration, int, Deadline] | None = None) -> str:
+                 scatter_to: tuple[Registration, int, Callable[[], bool]] | None = None) -> str:
     """Read one record into ``slot``; with ``scatter_to``, also copy it into its engine block
     right here on the read thread."""
     status, _ = tiers.read(key, memoryview(slot))
     if status != "loaded" or scatter_to is None:
         return status
-    registration, block_id, deadline = scatter_to
-    return "loaded" if _scatter_many(registration, [block_id], [slot], deadline) else "error"
+    registration, block_id, live = scatter_to
+    return "loaded" if _scatter_many(registration, [block_id], [slot], live) else "error"

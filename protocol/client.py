@@ -113,6 +113,9 @@ def _plain(cls: type[m.Request], field: str | None = None) -> Call:
 
 KeyLike = str | bytes
 
+#: Requests that use the registration: the client attaches its token and pid to these.
+_OWNED = (m.SwapOut, m.SwapIn, m.Unregister)
+
 
 def _z85(key: KeyLike, what: str) -> bytes:
     raw = key.encode("ascii") if isinstance(key, str) else bytes(key)
@@ -153,9 +156,18 @@ class _Base:
         self.timeout = timeout
         self._curve = curve
         self._ids = itertools.count(int.from_bytes(os.urandom(3), "little") << 16)
+        #: The token of the registration this client made (see docs/protocol.md, ownership).
+        self._token = ""
+
+    def _registered(self, result: dict[str, Any]) -> dict[str, Any]:
+        self._token = str(result.get("token") or "")
+        return result
 
     def _make(self, cls: type[m.Request], body: dict[str, Any], timeout: float | None) -> tuple[m.Request, float]:
         timeout = self.timeout if timeout is None else timeout
+        if cls in _OWNED:
+            # Say who sends it, so the daemon applies it only to the registration it is for.
+            body = {"pid": os.getpid(), **({"token": self._token} if self._token else {}), **body}
         request = cls(id=next(self._ids), timeout_ms=max(1, int(timeout * 1000)), **body)
         return request, timeout
 
@@ -261,10 +273,12 @@ class Client(_Base):
         return time.perf_counter() - t
 
     def register(self, cache: Any, timeout: float | None = None) -> dict[str, Any]:
-        return self._run(_ops_register(cache), timeout)
+        return self._registered(self._run(_ops_register(cache), timeout))
 
     def unregister(self) -> bool:
-        return self._run(_plain(m.Unregister, "released"))
+        released = self._run(_plain(m.Unregister, "released"))
+        self._token = ""
+        return released
 
     @contextlib.contextmanager
     def registered(self, cache: Any, timeout: float | None = None) -> Iterator[dict[str, Any]]:
@@ -385,10 +399,12 @@ class AsyncClient(_Base):
         return time.perf_counter() - t
 
     async def register(self, cache: Any, timeout: float | None = None) -> dict[str, Any]:
-        return await self._run(_ops_register(cache), timeout)
+        return self._registered(await self._run(_ops_register(cache), timeout))
 
     async def unregister(self) -> bool:
-        return await self._run(_plain(m.Unregister, "released"))
+        released = await self._run(_plain(m.Unregister, "released"))
+        self._token = ""
+        return released
 
     @contextlib.asynccontextmanager
     async def registered(self, cache: Any, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:

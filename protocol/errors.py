@@ -67,6 +67,14 @@ class InvalidLayout(KvswapError):
     code = "invalid_layout"
 
 
+class RegistrationHeld(KvswapError):
+    """The daemon's cache registration belongs to another live engine: a ``register`` from a
+    different process, or a swap or ``unregister`` that is not the holder's. ``details``
+    name the holder (``holder_pid``)."""
+
+    code = "registration_held"
+
+
 class Busy(KvswapError):
     code = "busy"
     retryable = True
@@ -119,6 +127,7 @@ ERRORS_BY_CODE: Final[dict[str, type[KvswapError]]] = {
         OutOfRange,
         NotRegistered,
         InvalidLayout,
+        RegistrationHeld,
         Busy,
         Timeout,
         NoSpace,

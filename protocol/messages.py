@@ -155,22 +155,35 @@ class Register(Request):
     pid: int = 0
 
 
+#: Who sends a request that uses the registration (swap_out, swap_in, unregister): the
+#: ``token`` its client got from ``register`` and the sender's ``pid``. The client attaches
+#: both itself; left off the wire when unset.
+_OWNER_CHECKS: Final = {"token": _short_str, "pid": _uint(2**31 - 1)}
+_OWNER_FIELDS: Final = frozenset(_OWNER_CHECKS)
+
+
 @dataclass(frozen=True)
 class Unregister(Request):
     op = "unregister"
+    checks = dict(_OWNER_CHECKS)
+    omit_default = _OWNER_FIELDS
+    token: str = ""
+    pid: int = 0
 
 
 @dataclass(frozen=True)
 class SwapOut(Request):
     op = "swap_out"
-    checks = {"block_ids": _block_ids, "keys": _keys, "wait": _wait, "partial": _bool}
-    omit_default = frozenset({"partial"})
+    checks = {"block_ids": _block_ids, "keys": _keys, "wait": _wait, "partial": _bool, **_OWNER_CHECKS}
+    omit_default = frozenset({"partial"}) | _OWNER_FIELDS
     block_ids: tuple[int, ...] = ()
     keys: tuple[str, ...] = ()
     wait: str = "copied"
     #: When staging is short, store what fits and report the rest "skipped" instead of
     #: refusing the whole request with ``busy``.
     partial: bool = False
+    token: str = ""
+    pid: int = 0
 
     def validate(self) -> None:
         check_pair(self.keys, self.block_ids)
@@ -179,9 +192,12 @@ class SwapOut(Request):
 @dataclass(frozen=True)
 class SwapIn(Request):
     op = "swap_in"
-    checks = {"keys": _keys, "block_ids": _block_ids}
+    checks = {"keys": _keys, "block_ids": _block_ids, **_OWNER_CHECKS}
+    omit_default = _OWNER_FIELDS
     keys: tuple[str, ...] = ()
     block_ids: tuple[int, ...] = ()
+    token: str = ""
+    pid: int = 0
 
     def validate(self) -> None:
         check_pair(self.keys, self.block_ids)

@@ -3,6 +3,10 @@
 ``multiprocessing.shared_memory`` registers every segment it *attaches* with a resource
 tracker that unlinks it when the attaching process exits (Python < 3.13), which would let the
 daemon destroy an engine's cache on shutdown. This module opens segments directly instead.
+
+The daemon opens an engine's segment without mapping it (``attach(name, mapped=False)``) and
+copies with ``preadv``/``pwritev`` on the descriptor: a segment that its engine truncates
+then gives a short read, never the SIGBUS a mapping would take.
 """
 
 from __future__ import annotations
@@ -29,11 +33,14 @@ def check_name(name: object) -> str:
 class SharedSegment:
     """One mapped segment. ``buffer`` is a writable memoryview of the whole mapping."""
 
-    def __init__(self, name: str, size: int, mapping: mmap.mmap, owner: bool) -> None:
+    def __init__(self, name: str, size: int, mapping: mmap.mmap | None, owner: bool, fd: int = -1) -> None:
         self.name = name
+        #: The size when opened; :meth:`current_size` asks again.
         self.size = size
         self._mmap: mmap.mmap | None = mapping
         self.owner = owner
+        #: The open descriptor of an unmapped attach (else -1).
+        self.fd = fd
 
     @classmethod
     def create(cls, size: int, prefix: str = "kvswap") -> "SharedSegment":
@@ -52,9 +59,11 @@ class SharedSegment:
         return cls(name, size, mapping, owner=True)
 
     @classmethod
-    def attach(cls, name: str) -> "SharedSegment":
-        """Map an existing segment read-write. Raises :class:`InvalidLayout` if it is missing
-        or empty; the caller checks its size against what it needs."""
+    def attach(cls, name: str, mapped: bool = True) -> "SharedSegment":
+        """Open an existing segment read-write: mapped (``buffer``), or with ``mapped=False``
+        only its descriptor (``fd``), for ``preadv``/``pwritev``. Raises
+        :class:`InvalidLayout` if it is missing or empty; the caller checks its size against
+        what it needs."""
         check_name(name)
         try:
             fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
@@ -64,10 +73,21 @@ class SharedSegment:
             size = os.fstat(fd).st_size
             if size == 0:
                 raise InvalidLayout(f"shared memory {name!r} is empty", name=name)
+            if not mapped:
+                return cls(name, size, None, owner=False, fd=fd)
             mapping = mmap.mmap(fd, size)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        os.close(fd)
         return cls(name, size, mapping, owner=False)
+
+    def current_size(self) -> int:
+        """The segment's size now (an unmapped attach asks the kernel: the engine may have
+        resized it since)."""
+        if self.fd >= 0:
+            return os.fstat(self.fd).st_size
+        return self.size
 
     @property
     def buffer(self) -> memoryview:
@@ -77,11 +97,14 @@ class SharedSegment:
 
     @property
     def closed(self) -> bool:
-        return self._mmap is None
+        return self._mmap is None and self.fd < 0
 
     def close(self) -> bool:
-        """Unmap. Returns False when views into the mapping are still alive (the mapping then
-        goes away with the last of them)."""
+        """Unmap (or close the descriptor). Returns False when views into the mapping are still
+        alive (the mapping then goes away with the last of them)."""
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
         if self._mmap is None:
             return True
         try:

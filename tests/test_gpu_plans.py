@@ -70,7 +70,8 @@ class Engine:
         self.cache.fill_random(seed)
         body = self.cache.registration()
         self.registration = Registration.attach(body["layout"], body["handles"], body["regions"], body["pid"])
-        self.buffers: list[np.ndarray] = self.registration.mover.buffers
+        # The engine's own mapping of its segment (the daemon holds the segment by descriptor).
+        self.buffers: list[np.ndarray] = [np.frombuffer(self.cache.segment.buffer, dtype=np.uint8)]
         self.placements = self.registration.placements
         self.record_bytes = self.layout.record_bytes
 

@@ -18,6 +18,7 @@ from kvswap.protocol.errors import (
     NoSpace,
     NotRegistered,
     OutOfRange,
+    RegistrationHeld,
     TooLarge,
     Timeout,
     Unauthorized,
@@ -38,6 +39,7 @@ EXPECTED_CODES = {
     "out_of_range": OutOfRange,
     "not_registered": NotRegistered,
     "invalid_layout": InvalidLayout,
+    "registration_held": RegistrationHeld,
     "busy": Busy,
     "timeout": Timeout,
     "no_space": NoSpace,
@@ -62,7 +64,7 @@ def _all_subclasses(cls: type) -> set[type]:
 
 def test_table_maps_each_wire_code_to_its_class() -> None:
     assert ERRORS_BY_CODE == EXPECTED_CODES
-    assert len(ERRORS_BY_CODE) == 16
+    assert len(ERRORS_BY_CODE) == 17
 
 
 def test_every_error_class_defined_in_the_module_is_in_the_table() -> None:
