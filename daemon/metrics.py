@@ -159,6 +159,7 @@ class HealthServer:
         self.ready = ready
         self.budget = budget or fds.FdBudget()
         self.active = 0
+        self._writers: set[asyncio.StreamWriter] = set()
         self._server: asyncio.base_events.Server | None = None
 
     async def start(self, host: str, port: int) -> None:
@@ -173,6 +174,8 @@ class HealthServer:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
+            for writer in list(self._writers):  # connections still open end now
+                writer.transport.abort()
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -181,6 +184,7 @@ class HealthServer:
             writer.transport.abort()  # no answer: answering costs what the limit saves
             return
         self.active += 1
+        self._writers.add(writer)
         try:
             try:
                 method, path = await asyncio.wait_for(self._read_head(reader), HEADER_DEADLINE_S)
@@ -195,8 +199,11 @@ class HealthServer:
             await self._respond(writer, method, self._route(method, path))
         except (asyncio.TimeoutError, ConnectionError, UnicodeDecodeError):
             pass
+        except asyncio.CancelledError:
+            pass  # the server is closing; this connection task ends here, quietly
         finally:
             self.active -= 1
+            self._writers.discard(writer)
             writer.close()
 
     async def _read_head(self, reader: asyncio.StreamReader) -> tuple[str, str]:

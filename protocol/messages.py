@@ -324,20 +324,20 @@ def _build(cls: type[Request], msg: dict[str, Any], request_id: int) -> Request:
 
 def encode_request(request: Request) -> bytes:
     """The frame of ``request``. Raises the typed error the daemon would answer with
-    (:class:`TooLarge`, :class:`InvalidKey`, :class:`BadRequest`) instead of encoding a request
-    it would refuse: a lookup of 9,000 keys fails here, before anything is sent."""
+    (:class:`TooLarge`, :class:`InvalidKey`, :class:`BadRequest`, ...) instead of returning a
+    frame it would refuse: a lookup of 9,000 keys fails here, before anything is sent. The
+    check is the daemon's own: the frame is decoded by :func:`decode_request`."""
     if not _valid_id(request.id):
         raise BadRequest(f"id must be an integer in 0..{MAX_REQUEST_ID}", field="id")
     msg: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": request.id, "op": request.op}
     if request.timeout_ms is not None:
         msg["timeout_ms"] = request.timeout_ms
     msg.update(request.body())
-    cls = REQUEST_TYPES.get(request.op)
-    if cls is None:
-        raise UnknownOp(f"unknown op {request.op[:MAX_ECHO_CHARS]!r}", known=sorted(REQUEST_TYPES))
-    _build(cls, msg, request.id)
     frame = _pack(msg)
-    _check_size(frame)
+    try:
+        decode_request(frame)
+    except DecodeError as exc:
+        raise exc.error from None
     return frame
 
 
@@ -394,11 +394,9 @@ def decode_request(frame: bytes) -> Request:
     request_id = None
     known_op = None
     try:
-        try:
-            msg = _unpack_request(frame)
-        except TooLarge:
-            request_id = peek_id(frame)  # over a limit is still answered to its caller
-            raise
+        # A frame past a shape limit is answered with a null id: finding its id would cost a
+        # pass over the whole frame, and no client sends one (encode_request refuses it).
+        msg = _unpack_request(frame)
         if not isinstance(msg, dict):
             raise BadRequest("a request is a msgpack map")
         raw_id = msg.get("id")
