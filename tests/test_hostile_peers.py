@@ -190,3 +190,78 @@ def _closed(s: socket.socket) -> bool:
         return False
     except OSError:
         return True
+
+
+def test_a_request_line_over_64_kib_is_answered_431_without_a_traceback(daemon: DaemonProcess) -> None:
+    with socket.create_connection(("127.0.0.1", daemon.metrics_port), timeout=10) as s:
+        s.sendall(b"GET /" + b"a" * (70 * 1024) + b" HTTP/1.1\r\n\r\n")
+        answer = s.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+    with socket.create_connection(("127.0.0.1", daemon.metrics_port), timeout=10) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\n" + b"X: y\r\n" * 12000 + b"\r\n")  # 72 KB of short lines
+        answer = s.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 431 ")  # headers over 64 KiB together
+    assert daemon.metric("kvswap_http_refused_total", reason="too_large") == 2
+    assert daemon.http("/healthz") == (200, "ok\n")
+    assert "Traceback" not in daemon.log()
+
+
+def test_a_slow_request_is_cut_off_at_the_header_deadline(daemon: DaemonProcess) -> None:
+    with socket.create_connection(("127.0.0.1", daemon.metrics_port), timeout=30) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\n")
+        started = time.monotonic()
+        for _ in range(20):  # one header line every 0.5 s: each line is in time, the head never ends
+            try:
+                s.sendall(b"X-Slow: 1\r\n")
+            except OSError:
+                break
+            if _readable(s):  # the daemon closed it
+                break
+            time.sleep(0.5)
+        assert wait_until(lambda: daemon.metric("kvswap_http_refused_total", reason="deadline") == 1, 10)
+    assert time.monotonic() - started < 9  # cut at the 5 s deadline, not after 20 lines
+
+
+def _readable(s: socket.socket) -> bool:
+    import select
+
+    return bool(select.select([s], [], [], 0)[0])
+
+
+# -- smaller holes ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where,field,value", [
+    ("regions", "stride", 2**61),
+    ("layout", "num_blocks", 2**62),
+    ("layout", "head_dim", 2**62),
+])
+def test_huge_layout_numbers_are_invalid_layout(daemon: DaemonProcess, cache: HostKVCache, where: str, field: str,
+                                                value: int) -> None:
+    registration = cache.registration()
+    if where == "regions":
+        registration["regions"][0][field] = value
+    else:
+        registration["layout"][field] = value
+    with Client(daemon.endpoint, timeout=10) as c:
+        with pytest.raises(InvalidLayout) as err:  # it was "internal: unencodable reply"
+            c.register(registration)
+    assert "unencodable" not in daemon.log()
+    assert err.value.code == "invalid_layout"
+
+
+def test_a_storage_root_writable_by_others_is_warned_about(tmp_path: Path) -> None:
+    root = tmp_path / "open"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    d = DaemonProcess(root, free_port(), free_port()).start()
+    try:
+        assert f"the storage directory {root} is writable by everyone (mode 0777)" in d.log()
+    finally:
+        assert d.stop() == 0
+    private = tmp_path / "private"
+    d = DaemonProcess(private, free_port(), free_port()).start()  # created 0700 by the daemon
+    try:
+        assert "is writable by" not in d.log()
+    finally:
+        assert d.stop() == 0
