@@ -32,9 +32,9 @@ CACHE_DTYPES: Final = frozenset({"float16", "bfloat16", "uint8"})
 #: Upper bounds of the layout's integers, so every size derived from them (a block's bytes, a
 #: record's, a region's span) stays far inside 64 bits and can be answered in an error reply.
 #: Block ids on the wire stop at MAX_BLOCK_ID, so a pool never needs more blocks than that.
+#: Layers are bounded by the region count (MAX_REGIONS), checked before regions are built.
 MAX_DIMENSION: Final = 2**20
-MAX_FIELD: Final[dict[str, int]] = {"num_blocks": MAX_BLOCK_ID + 1, "num_layers": MAX_REGIONS,
-                                    "num_extra_layers": MAX_REGIONS}
+MAX_FIELD: Final[dict[str, int]] = {"num_blocks": MAX_BLOCK_ID + 1, "num_layers": 2**63, "num_extra_layers": 2**63}
 
 #: Bumped whenever the on-disk record layout changes; part of every namespace fingerprint, so
 #: records of an older format are simply never found rather than misread.
