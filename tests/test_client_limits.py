@@ -14,13 +14,23 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from support import DaemonProcess, free_port
 
 from kvswap.protocol import AsyncClient, Client
 from kvswap.protocol import messages as m
-from kvswap.protocol.errors import BadRequest, InvalidKey, KvswapError, NotRegistered, TooLarge
-from kvswap.protocol.limits import DEFAULT_TIMEOUT_MS, MAX_BLOCK_ID, MAX_KEYS_PER_REQUEST, MAX_TIMEOUT_MS
-
-from support import DaemonProcess, free_port
+from kvswap.protocol.errors import (
+    BadRequest,
+    InvalidKey,
+    KvswapError,
+    NotRegistered,
+    TooLarge,
+)
+from kvswap.protocol.limits import (
+    DEFAULT_TIMEOUT_MS,
+    MAX_BLOCK_ID,
+    MAX_KEYS_PER_REQUEST,
+    MAX_TIMEOUT_MS,
+)
 
 # (request the client is asked to send, the same fields as a raw frame, error, details)
 REFUSED = [

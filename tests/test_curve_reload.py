@@ -10,13 +10,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, Counter
+from support import DaemonProcess, free_port, wait_until
 
 from kvswap.daemon.curve import AuthorizedKeys, read_public_key
 from kvswap.daemon.tools.keygen import write_keypair
 from kvswap.protocol import Client, Timeout, Unavailable
-from prometheus_client import CollectorRegistry, Counter
-
-from support import DaemonProcess, free_port, wait_until
 
 
 @pytest.fixture

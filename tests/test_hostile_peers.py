@@ -12,20 +12,16 @@ from __future__ import annotations
 
 import os
 import resource
-import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import msgpack
 import pytest
-import zmq
-
-from kvswap.protocol import CacheLayout, Client, HostKVCache, InvalidLayout
-
 from support import DaemonProcess, free_port, wait_until
+
+from kvswap.protocol import Client, HostKVCache, InvalidLayout
 
 HOSTILE = str(Path(__file__).with_name("hostile_peer.py"))
 

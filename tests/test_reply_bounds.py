@@ -9,7 +9,12 @@ import pytest
 
 from kvswap.protocol import messages as m
 from kvswap.protocol.errors import InvalidLayout, TooLarge
-from kvswap.protocol.limits import MAX_ECHO_CHARS, MAX_FRAME_ITEMS, MAX_MAP_ENTRIES, MAX_STRING_BYTES
+from kvswap.protocol.limits import (
+    MAX_ECHO_CHARS,
+    MAX_FRAME_ITEMS,
+    MAX_MAP_ENTRIES,
+    MAX_STRING_BYTES,
+)
 
 
 def rejected(frame: bytes) -> m.DecodeError:

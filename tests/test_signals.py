@@ -10,12 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import DaemonProcess, free_port, wait_until
 
 from kvswap.daemon.server import EXIT_FORCED
 from kvswap.protocol import Client, HostKVCache, Unavailable
 from kvswap.protocol import messages as m
-
-from support import DaemonProcess, free_port, wait_until
 
 CHILD = str(Path(__file__).with_name("daemon_child.py"))
 
