@@ -9,16 +9,13 @@ running are answered ``unavailable``, records not yet written are dropped (the d
 as consistent as after SIGKILL), and the process exits ``EXIT_FORCED``. The signal handlers
 in place before the daemon started are restored when it stops.
 
-What one peer can make the daemon hold or spend is bounded:
+What one peer can make the daemon hold or spend is bounded (numbers in docs/security.md): the
+loop's time per frame by the protocol's shape limits and one frame handed on per read, so a
+flood delays another peer's request by about one frame; ZMQ's memory per connection by
+RCV_HWM frames in and SND_HWM replies of at most MAX_REPLY_BYTES out.
 
-- time on the event loop per frame: a frame is decoded within the protocol's shape limits
-  (about 15 ms for the worst 4 MiB frame; see ``protocol/limits.py``), and a refusal before
-  decoding (busy, shutting down) reads only its id with msgpack's skip (about 7 ms at worst); the receive loop hands each frame to its task before it reads the next, and the
-  ROUTER takes frames from its peers in turn, so a peer's request waits behind at most one
-  frame of each other peer;
-- memory per connection: at most ``RCV_HWM`` frames queued inbound (``RCV_HWM`` x 4 MiB) and
-  ``SND_HWM`` replies outbound (``SND_HWM`` x ``MAX_REPLY_BYTES``, and a refusal's reply is a
-  few hundred bytes), plus the kernel's socket buffers (``SND_BUF`` outbound).
+(Over 500 lines: the three phases, the receive loop and the op handlers share one Daemon's
+state; signals, descriptors, metrics and CURVE live in their own modules.)
 """
 
 from __future__ import annotations
@@ -31,7 +28,6 @@ import os
 import signal
 import stat
 import sys
-import threading
 import time
 from typing import Any, Awaitable, Callable
 
@@ -54,6 +50,7 @@ from . import fds
 from .config import Config
 from .curve import CurveError, CurveServer
 from .metrics import HealthServer, Metrics
+from .signals import SignalCapture
 from .swapper import Deadline, Swapper
 from .tiers import open_backends
 
@@ -64,9 +61,6 @@ EXIT_OK = 0
 EXIT_STARTUP_FAILED = 3
 #: A second signal cut the drain short.
 EXIT_FORCED = 4
-
-#: Signals that drain the daemon (a second one of any of them forces the exit).
-HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 #: Frames queued per connection before ZMQ stops reading that peer (TCP then holds it back).
 #: The receive loop takes a frame as soon as it can, so only a peer sending faster than its
@@ -100,7 +94,7 @@ class Daemon:
         self.should_exit = False
         #: Set by a second signal: stop now.
         self.force_exit = False
-        self._previous_handlers: dict[int, Any] = {}
+        self._signals = SignalCapture(self.handle_signal)
         self.started = time.time()
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
@@ -165,7 +159,7 @@ class Daemon:
             log.warning("the control socket listens on %s, beyond loopback, without authentication: anyone who "
                         "reaches it can read and overwrite cached KV blocks", cfg.host)
         self.swapper.start()
-        self._capture_signals()
+        self._signals.install()
         self.serving = True
         log.info("kvswapd %s serving tcp://%s:%d, metrics http://%s:%d/metrics, storage %s (fsync=%s)",
                  __version__, cfg.host, self.control_port, cfg.host, self.health.port, self.backend.root, cfg.fsync)
@@ -192,23 +186,6 @@ class Daemon:
         else:
             log.info("%s: draining; send it again to stop at once", name)
             self.request_exit()
-
-    def _capture_signals(self) -> None:
-        """Route the drain signals to ``handle_signal``, remembering what handled them before.
-        Only on the main thread: tests run daemons on other threads."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        loop = asyncio.get_running_loop()
-        for sig in HANDLED_SIGNALS:
-            self._previous_handlers[sig] = signal.getsignal(sig)
-            loop.add_signal_handler(sig, self.handle_signal, sig)
-
-    def _restore_signals(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sig, previous in self._previous_handlers.items():
-            loop.remove_signal_handler(sig)
-            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
-        self._previous_handlers.clear()
 
     async def main_loop(self) -> None:
         assert self._sock is not None and self._stop_event is not None
@@ -274,7 +251,7 @@ class Daemon:
             self.curve.close()
         if self._ctx is not None:
             self._ctx.term()
-        self._restore_signals()
+        self._signals.restore()
         log.info("kvswapd stopped")
 
     # -- requests -----------------------------------------------------------------------------------
