@@ -433,7 +433,8 @@ class Daemon:
         out = self.swapper.stats()
         out.update({"version": __version__, "uptime_s": round(time.time() - self.started, 3),
                     "requests_in_flight": len(self._requests), "storage_dir": self.backend.root,
-                    "fsync": self.config.fsync, "metrics_port": self.health.port})
+                    "fsync": self.config.fsync, "metrics_port": self.health.port,
+                    "open_fds": fds.open_count(), "fd_limit": fds.soft_limit()})
         return out
 
     def _send(self, envelope: list[bytes], reply: m.Reply) -> None:

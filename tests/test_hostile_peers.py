@@ -122,13 +122,18 @@ def test_rss_stays_bounded_with_a_client_that_never_reads(daemon: DaemonProcess)
 
 # -- file descriptors ---------------------------------------------------------------------------
 
-FD_LIMIT = 256
+RESERVE = 128
 
 
-def test_daemon_answers_and_stores_with_its_metrics_port_flooded(tmp_path: Path, monkeypatch,
-                                                                 cache: HostKVCache) -> None:
-    """A daemon whose hard limit is 256 descriptors, 600 idle connections on its metrics port:
-    a new engine still connects, registers, stores (persisted) and loads."""
+@pytest.mark.parametrize("fd_limit,held_at_most", [
+    (256, 64),  # the connection cap binds first
+    (160, 160 - RESERVE),  # the descriptor reserve binds first: at most 32 open in all
+])
+def test_daemon_answers_and_stores_with_its_metrics_port_flooded(tmp_path: Path, monkeypatch, cache: HostKVCache,
+                                                                 fd_limit: int, held_at_most: int) -> None:
+    """A daemon whose hard limit is a few hundred descriptors, 600 idle connections on its
+    metrics port: a new engine still connects, registers, stores (persisted) and loads."""
+    FD_LIMIT = fd_limit  # noqa: N806
     import support
 
     real_popen = subprocess.Popen
@@ -151,6 +156,10 @@ def test_daemon_answers_and_stores_with_its_metrics_port_flooded(tmp_path: Path,
         # rest wait in the listen backlog, or for the header deadline).
         assert wait_until(lambda: sum(_closed(s) for s in idle) >= 200, 30), "no connection was cut off"
         with Client(d.endpoint, timeout=10) as engine:
+            stats = engine.stats()
+            assert stats["fd_limit"] == FD_LIMIT
+            # The flood holds at most its share: the cap, or what the reserve leaves.
+            assert stats["open_fds"] <= min(FD_LIMIT - RESERVE, 30 + held_at_most) + 8, stats["open_fds"]
             engine.register(cache)
             assert engine.swap_out([0, 1], ["a", "b"], wait="persisted").stored == 2
             assert engine.swap_in(["a", "b"], [4, 5]).loaded == 2
@@ -162,14 +171,34 @@ def test_daemon_answers_and_stores_with_its_metrics_port_flooded(tmp_path: Path,
     try:
         # The metrics port answers again once the held connections pass their header deadline.
         assert wait_until(lambda: _http_ok(d, "/healthz"), 30)
-        assert d.metric("kvswap_fd_limit") == FD_LIMIT
-        assert d.metric("kvswap_http_refused_total", reason="limit") >= 200
-        assert 0 < d.metric("kvswap_open_fds") < FD_LIMIT - 128
+        scrape = _scrape(d)
+        assert scrape("kvswap_fd_limit") == FD_LIMIT
+        assert scrape("kvswap_http_refused_total", reason="limit") >= 200
+        assert 0 < scrape("kvswap_open_fds") < FD_LIMIT - RESERVE + 8
     finally:
         code = d.stop()
     log = d.log()
     assert code == 0, log
     assert "Traceback" not in log and "Too many open files" not in log, log
+
+
+def _scrape(d: DaemonProcess):
+    """One /metrics scrape, retried while the port is still at its limit; returns a lookup."""
+    from kvswap.daemon.tools.status import parse_exposition
+
+    text = ""
+
+    def scraped() -> bool:
+        nonlocal text
+        try:
+            status, text = d.http("/metrics")
+            return status == 200
+        except OSError:
+            return False
+
+    assert wait_until(scraped, 30)
+    series = parse_exposition(text)
+    return lambda name, **labels: series.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def _http_ok(d: DaemonProcess, path: str) -> bool:
