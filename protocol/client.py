@@ -4,7 +4,8 @@ Both keep many requests in flight on one DEALER socket and match replies by id. 
 has a deadline: it travels with the request (``timeout_ms``), so the daemon answers
 ``timeout`` itself when it cannot finish in time; the client waits a little longer for that
 answer and raises :class:`~kvswap.protocol.errors.Timeout` if none arrives. Failures raise the
-typed error the daemon sent.
+typed error the daemon sent. A request the daemon would refuse (over a limit of
+``protocol/limits.py``, a bad key, a bad field) raises that same error before it is sent.
 
 A :class:`Client` is not thread-safe (ZMQ sockets are not); use one per thread, or the
 :class:`AsyncClient`. ``send``/``wait`` pipeline requests on one socket::
