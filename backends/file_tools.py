@@ -2,7 +2,9 @@
 
 They read the same layout the file store writes and never need a daemon. They are safe next to
 running daemons: verify only removes records that fail their checks (a daemon would remove them
-on read anyway), and gc skips any namespace whose eviction lock a daemon holds.
+on read anyway), and gc skips any namespace whose eviction lock a daemon holds. They read files
+as the daemon does (no symlinks followed, no FIFO waited on, nothing larger than a record), so
+a planted file is reported, not followed.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, Callable, Iterator
 from kvswap.protocol.errors import Corrupt
 
 from . import record
-from .disk import listdir_or_empty, try_flock
+from .disk import Disk, listdir_or_empty, try_flock
 from .file_store import LOCK_NAME, RECORD_SUFFIX, TMP_SUFFIX, record_name, scan_record_files
 
 #: Age buckets for ``inspect`` (upper bounds, seconds).
@@ -71,11 +73,11 @@ def inspect(root: str, progress: Progress | None = None, now: float | None = Non
     now = time.time() if now is None else now
     out = []
     for ns in namespaces(root):
-        with open(os.path.join(root, ns, "namespace.json")) as f:
-            try:
-                description = json.load(f)
-            except ValueError:
-                description = {"error": "namespace.json is not valid JSON"}
+        try:
+            description = json.loads(read_record_file(os.path.join(root, ns, "namespace.json"),
+                                                      MAX_DESCRIPTION_BYTES))
+        except (ValueError, Corrupt):  # not JSON, or not a regular file of sane size
+            description = {"error": "namespace.json is not valid JSON"}
         summary = NamespaceSummary(ns, description)
         for rec in record_files(root, ns):
             summary.records += 1
@@ -100,11 +102,47 @@ class VerifyReport:
     removed: int = 0
 
 
-def check_record(path: str, namespace: str) -> None:
+#: Largest file ``verify`` reads as a record where the namespace does not say its record size.
+DEFAULT_MAX_RECORD_FILE_BYTES = 256 * 1024 * 1024
+#: Largest ``namespace.json`` read.
+MAX_DESCRIPTION_BYTES = 1024 * 1024
+
+_READER = Disk()
+
+
+def read_record_file(path: str, max_bytes: int) -> bytearray:
+    """The bytes of one record file, read the way the daemon reads records (``Disk.read_file``:
+    O_NOFOLLOW, O_NONBLOCK, regular files only), so a symlink (to /dev/zero, say) or a FIFO
+    planted under a record's name is :class:`Corrupt`, never followed and never waited on; and
+    a file over ``max_bytes`` is :class:`Corrupt` before it is read."""
+    head = bytearray(record.ALIGNED_HEADER)
+    _, size = _READER.read_file(path, [head])
+    if size > max_bytes:
+        raise Corrupt(f"a file of {size} bytes, larger than a record of this namespace ({max_bytes})", size=size)
+    data = bytearray(size)
+    done, now = _READER.read_file(path, [data])
+    if done != size or now != size:
+        raise Corrupt("the file changed while it was read", size=now)
+    return data
+
+
+def max_record_file_bytes(root: str, namespace: str) -> int:
+    """The size of a whole record of ``namespace`` (from its ``namespace.json``), or
+    DEFAULT_MAX_RECORD_FILE_BYTES where that does not say."""
+    try:
+        payload = json.loads(read_record_file(os.path.join(root, namespace, "namespace.json"),
+                                              MAX_DESCRIPTION_BYTES))["record_bytes"]
+    except (OSError, ValueError, KeyError, TypeError, Corrupt):
+        return DEFAULT_MAX_RECORD_FILE_BYTES
+    if not isinstance(payload, int) or isinstance(payload, bool) or payload <= 0:
+        return DEFAULT_MAX_RECORD_FILE_BYTES
+    return record.header_len_for(payload) + payload
+
+
+def check_record(path: str, namespace: str, max_bytes: int = DEFAULT_MAX_RECORD_FILE_BYTES) -> None:
     """Raise :class:`Corrupt` unless the file is a whole, valid record of ``namespace`` stored
     under the name its key hashes to."""
-    with open(path, "rb") as f:
-        data = f.read()
+    data = read_record_file(path, max_bytes)
     header = record.decode_header(data)
     if header.namespace.hex() != namespace:
         raise Corrupt("record of another namespace")
@@ -118,10 +156,11 @@ def check_record(path: str, namespace: str) -> None:
 def verify(root: str, remove: bool = False, progress: Progress | None = None) -> VerifyReport:
     report = VerifyReport()
     for ns in namespaces(root):
+        max_bytes = max_record_file_bytes(root, ns)
         for rec in record_files(root, ns):
             report.checked += 1
             try:
-                check_record(rec.path, ns)
+                check_record(rec.path, ns, max_bytes)
                 report.good += 1
             except Corrupt as exc:
                 report.bad.append((rec.path, exc.message))

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from .tiers import Locations
 
 from kvswap.backends.file_store import DIRECT_IO_MODES, FSYNC_MODES
+from kvswap.protocol.limits import DEFAULT_TIMEOUT_MS
 
 MiB = 1024 * 1024
 
@@ -97,7 +98,7 @@ class Config:
     #: Staging memory for swap_in and reads of in-flight records.
     read_staging_bytes: int = 64 * MiB
     #: Deadline for a request that brings none.
-    default_timeout_ms: int = 30_000
+    default_timeout_ms: int = DEFAULT_TIMEOUT_MS
     #: On SIGTERM, how long to let in-flight requests and writes finish.
     drain_timeout_s: float = 30.0
     #: Requests being handled at once; beyond this the daemon answers busy.

@@ -5,9 +5,16 @@ with their own keypair and the daemon's public key. A client whose public key is
 authorized-keys directory fails the handshake: ZMQ drops it before any frame reaches the
 daemon, so it gets no reply at all (its request times out, or fails at once as unreachable).
 
-The directory is re-read whenever its modification time changes, checked at each handshake,
-so adding or removing a ``*.key`` file takes effect for the next connection without a restart.
-Connections already authenticated stay up until they close.
+The directory is re-read whenever it changes (its listing, or any ``*.key`` file's inode,
+size or modification time), checked at each handshake, so adding, editing or removing a
+``*.key`` file takes effect for the next connection without a restart. Connections already
+authenticated stay up until they close.
+
+A reload fails closed: the admitted set is exactly the keys that parse in the files present
+now. A file that cannot be read or parsed (a half-written new key) admits nobody and is
+reported; a directory that cannot be listed admits nobody until it can. So a deleted key is
+never admitted again, whatever else is wrong in the directory. (It used to be that one bad
+file abandoned the reload and kept the old set, deleted keys included.)
 """
 
 from __future__ import annotations
@@ -18,8 +25,9 @@ import stat
 import time
 import zmq
 import zmq.auth
+import zmq.utils.z85
 from zmq.auth.asyncio import AsyncioAuthenticator
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 log = logging.getLogger("kvswap.daemon.curve")
 
@@ -51,37 +59,77 @@ def load_public_key(path: str) -> bytes:
     return public
 
 
+#: A key file is a few hundred bytes; a larger one is not a key file.
+MAX_KEY_FILE_BYTES = 64 * 1024
+#: The z85 text of a Curve25519 public key.
+Z85_KEY_CHARS = 40
+
+Signature = tuple[tuple[str, int, int, int], ...]
+
+
 class AuthorizedKeys:
     """The set of client public keys in a directory: a ZAP credentials provider."""
 
-    def __init__(self, directory: str, denied: Counter) -> None:
+    def __init__(self, directory: str, denied: Counter, files: Gauge | None = None) -> None:
         self.directory = directory
         self.denied = denied
+        #: kvswap_auth_key_files{state=loaded|unreadable}, when a registry is given.
+        self.files = files
         self._keys: frozenset[bytes] = frozenset()
-        self._mtime_ns: int | None = None
+        self._signature: Signature | None = None
         self._last_denied_log = 0.0
         self._suppressed = 0
 
+    def _key_files(self) -> Signature:
+        """(name, inode, size, mtime) of every ``*.key`` file, sorted; raises ``OSError``.
+        Symlinks are followed: Kubernetes mounts secrets as links into a ``..data`` directory."""
+        out = []
+        with os.scandir(self.directory) as entries:
+            for entry in entries:
+                if entry.name.endswith(".key") and not entry.name.startswith("."):
+                    try:
+                        st = entry.stat()
+                    except OSError:  # vanished, or a dangling link: listed as unreadable
+                        out.append((entry.name, -1, -1, -1))
+                        continue
+                    out.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns))
+        return tuple(sorted(out))
+
     def load(self) -> int:
-        """Read the directory now. Raises :class:`CurveError` when it cannot be read."""
+        """Read the directory now: admit exactly the keys that parse. Raises
+        :class:`CurveError` when the directory cannot be listed (then nobody is admitted)."""
         try:
-            mtime = os.stat(self.directory).st_mtime_ns
-            certs = zmq.auth.load_certificates(self.directory)
-        except (OSError, ValueError) as exc:
+            signature = self._key_files()
+        except OSError as exc:
+            self._keys, self._signature = frozenset(), None
             raise CurveError(f"cannot read the authorized keys directory {self.directory}: {exc}") from None
-        self._keys = frozenset(k for k, ok in certs.items() if ok)
-        self._mtime_ns = mtime
-        return len(self._keys)
+        keys, unreadable = set(), 0
+        for name, *_ in signature:
+            path = os.path.join(self.directory, name)
+            try:
+                keys.add(read_public_key(path))
+            except (OSError, ValueError) as exc:
+                unreadable += 1
+                log.warning("authorized key file %s is not admitted: %s", path, exc)
+        self._keys, self._signature = frozenset(keys), signature
+        if self.files is not None:
+            self.files.labels(state="loaded").set(len(keys))
+            self.files.labels(state="unreadable").set(unreadable)
+        return len(keys)
 
     def _refresh(self) -> None:
         try:
-            if os.stat(self.directory).st_mtime_ns != self._mtime_ns:
-                count = self.load()
-                log.info("authorized keys reloaded from %s: %d client keys", self.directory, count)
-        except (OSError, CurveError) as exc:
-            # Keep the keys we have: a directory briefly missing during a config push must not
-            # lock every engine out, nor let every client in.
-            log.warning("cannot reload authorized keys, keeping the %d loaded: %s", len(self._keys), exc)
+            changed = self._key_files() != self._signature
+        except OSError:
+            changed = True  # load() reports it and admits nobody
+        if not changed:
+            return
+        try:
+            count = self.load()
+            log.info("authorized keys reloaded from %s: %d client keys", self.directory, count)
+        except CurveError as exc:
+            # Fail closed: a directory we cannot read admits nobody (existing connections stay).
+            log.error("%s; refusing every new client until it can be read", exc)
 
     def callback(self, domain: str, client_key: bytes) -> bool:
         """Called by the authenticator for each CURVE handshake with the client's z85 key."""
@@ -100,6 +148,33 @@ class AuthorizedKeys:
         return False
 
 
+def read_public_key(path: str) -> bytes:
+    """The z85 public key of one ZMQ certificate file. Raises ``ValueError`` for a file that
+    holds none (or a malformed one) and ``OSError`` for one that cannot be read; never blocks
+    on a FIFO and never reads more than MAX_KEY_FILE_BYTES."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        data = os.read(fd, MAX_KEY_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_KEY_FILE_BYTES:
+        raise ValueError(f"over {MAX_KEY_FILE_BYTES} bytes: not a key file")
+    for line in data.splitlines():
+        line = line.strip()
+        if line.startswith(b"public-key"):
+            key = line.split(b"=", 1)[1].strip(b" \t'\"") if b"=" in line else b""
+            if len(key) != Z85_KEY_CHARS:
+                raise ValueError(f"its public key is {len(key)} characters, not {Z85_KEY_CHARS}")
+            try:
+                zmq.utils.z85.decode(key)
+            except (ValueError, KeyError, IndexError, TypeError):
+                raise ValueError("its public key is not z85") from None
+            return key
+    raise ValueError("no public key in it")
+
+
 class CurveServer:
     """Turns CURVE on for one server socket. ``prepare`` before binding; ``close`` at shutdown."""
 
@@ -107,7 +182,9 @@ class CurveServer:
         self.secret_key_file = secret_key_file
         self.denied = Counter("kvswap_auth_denied", "CURVE handshakes refused: the client's key is not authorized.",
                               registry=registry)
-        self.keys = AuthorizedKeys(authorized_keys, self.denied)
+        files = Gauge("kvswap_auth_key_files", "Files in the authorized-keys directory at the last reload: loaded "
+                      "(admitted) or unreadable (admit nobody).", ["state"], registry=registry)
+        self.keys = AuthorizedKeys(authorized_keys, self.denied, files)
         self.public_key = b""
         self._auth: AsyncioAuthenticator | None = None
 

@@ -12,6 +12,8 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 
 from kvswap import __version__
 
+from . import fds
+
 log = logging.getLogger(__name__)
 
 #: Request latency buckets, seconds: sub-millisecond pings to multi-second swaps.
@@ -57,6 +59,14 @@ class Metrics:
                                   ["tier", "direction"], registry=r)
         self.tier_healthy = Gauge("kvswap_tier_healthy", "1 while the tier is reachable (local tiers always are).",
                                   ["tier"], registry=r)
+        open_fds = Gauge("kvswap_open_fds", "File descriptors the process has open.", registry=r)
+        open_fds.set_function(fds.open_count)
+        fd_limit = Gauge("kvswap_fd_limit", "The process's soft limit on open file descriptors (raised to the "
+                         "hard limit at start-up).", registry=r)
+        fd_limit.set_function(fds.soft_limit)
+        self.http_refused = Counter("kvswap_http_refused", "Connections to the metrics port closed without an "
+                                    "answer, or answered 431: reason limit|deadline|too_large.", ["reason"],
+                                    registry=r)
         info = Gauge("kvswap_build_info", "Always 1; labels say which build runs.", ["version"], registry=r)
         info.labels(version=__version__).set(1)
         # process_* (RSS, CPU seconds, open and max fds, start time) of this process, read from
@@ -122,17 +132,41 @@ class StoreCollector:
         yield evictions
 
 
+#: Limits of the metrics HTTP server. Prometheus and a kubelet need a handful of connections
+#: at once; a peer that opens more, or sends its request slower than HEADER_DEADLINE_S, is
+#: cut off so it cannot hold descriptors (1,100 slowloris connections used to take them all).
+MAX_HTTP_CONNECTIONS = 64
+HEADER_DEADLINE_S = 5.0
+#: Request line and headers together; past it the answer is 431 (a Prometheus scrape sends
+#: about 300 bytes).
+MAX_HEAD_BYTES = 64 * 1024
+#: Time to hand a response to a peer that does not read it.
+WRITE_DEADLINE_S = 5.0
+
+
+class HeadTooLarge(Exception):
+    pass
+
+
 class HealthServer:
     """``/metrics``, ``/healthz`` (the process answers) and ``/readyz`` (it takes requests),
-    on the daemon's own event loop, so a wedged loop shows as a failed probe."""
+    on the daemon's own event loop, so a wedged loop shows as a failed probe.
 
-    def __init__(self, metrics: Metrics, ready: Callable[[], bool]) -> None:
+    Each connection gets one request and is closed. A connection past MAX_HTTP_CONNECTIONS, or
+    one that would leave fewer than ``fds.RESERVE`` descriptors free, is closed at once; the
+    request line and headers must arrive within HEADER_DEADLINE_S and MAX_HEAD_BYTES."""
+
+    def __init__(self, metrics: Metrics, ready: Callable[[], bool], budget: fds.FdBudget | None = None) -> None:
         self.metrics = metrics
         self.ready = ready
+        self.budget = budget or fds.FdBudget()
+        self.active = 0
+        self._writers: set[asyncio.StreamWriter] = set()
         self._server: asyncio.base_events.Server | None = None
 
     async def start(self, host: str, port: int) -> None:
-        self._server = await asyncio.start_server(self._serve, host, port, reuse_address=True)
+        self._server = await asyncio.start_server(self._serve, host, port, reuse_address=True,
+                                                  limit=MAX_HEAD_BYTES)
 
     @property
     def port(self) -> int:
@@ -142,25 +176,66 @@ class HealthServer:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
+            for writer in list(self._writers):  # connections still open end now
+                writer.transport.abort()
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.active >= MAX_HTTP_CONNECTIONS or not self.budget.room():
+            self.metrics.http_refused.labels(reason="limit").inc()
+            writer.transport.abort()  # no answer: answering costs what the limit saves
+            return
+        self.active += 1
+        self._writers.add(writer)
         try:
-            request_line = await asyncio.wait_for(reader.readline(), 5)
-            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
-                pass  # headers are not needed
-            parts = request_line.decode("latin-1").split()
-            path = parts[1].split("?", 1)[0] if len(parts) >= 2 else ""
-            method = parts[0] if parts else ""
-            status, ctype, body = self._route(method, path)
-            head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                    "Connection: close\r\n\r\n").encode()
-            writer.write(head + (body if method != "HEAD" else b""))
-            await writer.drain()
+            try:
+                method, path = await asyncio.wait_for(self._read_head(reader), HEADER_DEADLINE_S)
+            except HeadTooLarge:
+                self.metrics.http_refused.labels(reason="too_large").inc()
+                await self._respond(writer, "GET", ("431 Request Header Fields Too Large", "text/plain",
+                                                    b"request line and headers over 64 KiB\n"))
+                return
+            except asyncio.TimeoutError:
+                self.metrics.http_refused.labels(reason="deadline").inc()
+                return
+            await self._respond(writer, method, self._route(method, path))
         except (asyncio.TimeoutError, ConnectionError, UnicodeDecodeError):
             pass
+        except asyncio.CancelledError:
+            pass  # the server is closing; this connection task ends here, quietly
         finally:
+            self.active -= 1
+            self._writers.discard(writer)
             writer.close()
+
+    async def _read_head(self, reader: asyncio.StreamReader) -> tuple[str, str]:
+        """The method and path of one request; the headers are read and dropped."""
+        total = 0
+        request_line = b""
+        while True:
+            try:
+                line = await reader.readline()
+            except ValueError:  # one line over the reader's limit (MAX_HEAD_BYTES)
+                raise HeadTooLarge() from None
+            total += len(line)
+            if total > MAX_HEAD_BYTES:
+                raise HeadTooLarge()
+            if not request_line:
+                request_line = line
+                if not line:
+                    break
+            elif line in (b"\r\n", b"\n", b""):
+                break
+        parts = request_line.decode("latin-1").split()
+        path = parts[1].split("?", 1)[0] if len(parts) >= 2 else ""
+        return (parts[0] if parts else ""), path
+
+    async def _respond(self, writer: asyncio.StreamWriter, method: str, answer: tuple[str, str, bytes]) -> None:
+        status, ctype, body = answer
+        head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n").encode()
+        writer.write(head + (body if method != "HEAD" else b""))
+        await asyncio.wait_for(writer.drain(), WRITE_DEADLINE_S)
 
     def _route(self, method: str, path: str) -> tuple[str, str, bytes]:
         if method not in ("GET", "HEAD"):

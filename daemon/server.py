@@ -1,9 +1,21 @@
 """The daemon process: ``startup -> serve -> drain -> shutdown``.
 
 The receive loop only reads frames and starts one task per request; every task ends in
-exactly one reply — its result, a typed error, or ``timeout`` at its deadline. Signals only
-set a flag; the loop notices it, stops taking new work (new requests get ``unavailable``),
-lets in-flight requests and writes finish for up to ``drain_timeout_s``, then exits.
+exactly one reply — its result, a typed error, or ``timeout`` at its deadline. Signals
+(SIGTERM, SIGINT, SIGHUP) only set a flag; the loop notices it, stops taking new work (new
+requests get ``unavailable``), lets in-flight requests and writes finish for up to
+``drain_timeout_s``, then exits 0. A second signal cuts the drain short: requests still
+running are answered ``unavailable``, records not yet written are dropped (the directory stays
+as consistent as after SIGKILL), and the process exits ``EXIT_FORCED``. The signal handlers
+in place before the daemon started are restored when it stops.
+
+What one peer can make the daemon hold or spend is bounded (numbers in docs/security.md): the
+loop's time per frame by the protocol's shape limits and one frame handed on per read, so a
+flood delays another peer's request by about one frame; ZMQ's memory per connection by
+RCV_HWM frames in and SND_HWM replies of at most MAX_REPLY_BYTES out.
+
+(Over 500 lines: the three phases, the receive loop and the op handlers share one Daemon's
+state; signals, descriptors, metrics and CURVE live in their own modules.)
 """
 
 from __future__ import annotations
@@ -12,9 +24,10 @@ import asyncio
 import errno
 import ipaddress
 import logging
+import os
 import signal
+import stat
 import sys
-import threading
 import time
 from typing import Any, Awaitable, Callable
 
@@ -25,12 +38,20 @@ from kvswap import __version__
 from kvswap.protocol import messages as m
 from kvswap.protocol.errors import Busy, Internal, InvalidLayout, KvswapError, Timeout, Unavailable
 from kvswap.protocol.layout import CacheLayout
-from kvswap.protocol.limits import MAX_KEYS_PER_REQUEST, MAX_KEY_LENGTH, MAX_MESSAGE_BYTES, PROTOCOL_VERSION
+from kvswap.protocol.limits import (
+    MAX_KEYS_PER_REQUEST,
+    MAX_KEY_LENGTH,
+    MAX_MESSAGE_BYTES,
+    MAX_REPLY_BYTES,
+    PROTOCOL_VERSION,
+)
 
+from . import fds
 from .config import Config
 from .curve import CurveError, CurveServer
 from .metrics import HealthServer, Metrics
 from .registrar import Caller
+from .signals import SignalCapture
 from .swapper import Deadline, Swapper
 from .tiers import open_backends
 
@@ -39,6 +60,20 @@ log = logging.getLogger("kvswap.daemon")
 #: Exit codes of ``run``.
 EXIT_OK = 0
 EXIT_STARTUP_FAILED = 3
+#: A second signal cut the drain short.
+EXIT_FORCED = 4
+
+#: Frames queued per connection before ZMQ stops reading that peer (TCP then holds it back).
+#: The receive loop takes a frame as soon as it can, so only a peer sending faster than its
+#: frames are answered fills it; at 4 MiB a frame it bounds that peer to 64 MiB inbound.
+#: (It was 10,000: 40 GB of 4 MiB frames.)
+RCV_HWM = 16
+#: Replies queued per connection for a peer that does not read them; past it ZMQ drops them.
+#: A client's own socket takes up to 1,000 replies before this queue fills at all, so only a
+#: peer that stopped reading reaches it. 256 is the default per-client in-flight limit.
+SND_HWM = 256
+#: Kernel send buffer per connection; replies are small, so it need not be large.
+SND_BUF = 256 * 1024
 
 
 class StartupError(Exception):
@@ -56,7 +91,11 @@ class Daemon:
         self.swapper = Swapper(config, self.backends, config.locations(), self.metrics)
         self.health = HealthServer(self.metrics, ready=lambda: self.serving)
         self.serving = False
+        #: Set by the first signal (or ``request_exit``): drain and stop.
         self.should_exit = False
+        #: Set by a second signal: stop now.
+        self.force_exit = False
+        self._signals = SignalCapture(self.handle_signal)
         self.started = time.time()
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
@@ -64,6 +103,7 @@ class Daemon:
         #: Requests in flight per client connection (ZMQ identity); entries go at zero.
         self._per_client: dict[bytes, int] = {}
         self._stop_event: asyncio.Event | None = None
+        self._force_event: asyncio.Event | None = None
         self.curve = (CurveServer(config.curve_secret_key_file, config.authorized_keys, self.metrics.registry)
                       if config.curve else None)
         self.control_port = config.cache_queue_port
@@ -74,6 +114,7 @@ class Daemon:
 
     async def serve(self) -> None:
         self._stop_event = asyncio.Event()
+        self._force_event = asyncio.Event()
         try:
             await self.startup()
             await self.main_loop()
@@ -82,12 +123,14 @@ class Daemon:
 
     async def startup(self) -> None:
         cfg = self.config
+        fd_limit = fds.raise_soft_limit()
         self._ctx = zmq.asyncio.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES + 4096)  # ZMQ drops larger frames itself
         sock.setsockopt(zmq.LINGER, 2000)
-        sock.setsockopt(zmq.RCVHWM, 10_000)
-        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.setsockopt(zmq.RCVHWM, RCV_HWM)
+        sock.setsockopt(zmq.SNDHWM, SND_HWM)
+        sock.setsockopt(zmq.SNDBUF, SND_BUF)
         if ":" in cfg.host:
             sock.setsockopt(zmq.IPV6, 1)  # ZMQ binds IPv6 addresses only with this set
         if self.curve is not None:
@@ -117,14 +160,12 @@ class Daemon:
             await asyncio.get_running_loop().run_in_executor(None, self.backend.check_writable)
         except OSError as exc:
             raise StartupError(f"storage directory {self.backend.root} cannot be used: {exc.strerror or exc}") from None
+        _warn_if_writable_by_others(self.backend.root)
         if not _is_loopback(cfg.host) and self.curve is None:
             log.warning("the control socket listens on %s, beyond loopback, without authentication: anyone who "
                         "reaches it can read and overwrite cached KV blocks", cfg.host)
         self.swapper.start()
-        if threading.current_thread() is threading.main_thread():  # tests run daemons on threads
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self.request_exit)
+        self._signals.install()
         self.serving = True
         self._started = True
         endpoint = f"tcp://{_zmq_host(cfg.host)}:{self.control_port}"
@@ -133,15 +174,29 @@ class Daemon:
                  self.backend.root, cfg.fsync, extra={"version": __version__, "endpoint": endpoint,
                                                       "metrics_url": metrics_url, "storage_dir": self.backend.root,
                                                       "fsync": cfg.fsync})
+        log.info("open-files limit %d (%d open, %d kept in reserve)", fd_limit, fds.open_count(), fds.RESERVE)
         locations = self.swapper.locations
         log.info("tiers: %s; store to %s; retrieve from %s%s", ", ".join(
             getattr(b, "url", None) or (b.root if hasattr(b, "root") else name) for name, b in self.backends.items()),
             ",".join(locations.store), ",".join(locations.retrieve), "; promote to host" if locations.promote else "")
 
     def request_exit(self) -> None:
+        """Drain and stop (what the first signal does)."""
         self.should_exit = True
         if self._stop_event is not None:
             self._stop_event.set()
+
+    def handle_signal(self, sig: int) -> None:
+        name = signal.Signals(sig).name
+        if self.should_exit:
+            log.warning("%s again: cutting the drain short (%d requests in flight, %d records not yet written)",
+                        name, len(self._requests), self.swapper.pending_writes)
+            self.force_exit = True
+            if self._force_event is not None:
+                self._force_event.set()
+        else:
+            log.info("%s: draining; send it again to stop at once", name)
+            self.request_exit()
 
     async def main_loop(self) -> None:
         assert self._sock is not None and self._stop_event is not None
@@ -157,10 +212,19 @@ class Daemon:
                  self.swapper.pending_writes)
         self.serving = False
         # The receiver keeps answering while we drain, with 'unavailable' for new requests.
-        drained = await self._drain()
+        assert self._force_event is not None
+        drain = asyncio.ensure_future(self._drain())
+        forced = asyncio.ensure_future(self._force_event.wait())
+        await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
+        forced.cancel()
+        if not drain.done():
+            drain.cancel()  # _drain shields the writes: cancelling it only stops the waiting
         receiver.cancel()
-        await asyncio.gather(receiver, return_exceptions=True)
-        if not drained:
+        await asyncio.gather(receiver, drain, forced, return_exceptions=True)
+        if self.force_exit:
+            log.warning("drain cut short: %d requests did not finish, %d records were not written",
+                        len(self._requests), self.swapper.pending_writes)
+        elif not drain.result():
             log.warning("drain timeout: %d requests did not finish", len(self._requests))
 
     async def _drain(self) -> bool:
@@ -188,7 +252,9 @@ class Daemon:
             log.warning("shutdown: answered %d unfinished requests with unavailable", len(unfinished))
         if self._sock is not None:
             self._refuse_queued()
-        await self.swapper.stop()
+        if not self.force_exit:
+            # Waits for the copy and write threads; a forced exit does not (see run()).
+            await self.swapper.stop()
         await self.health.close()
         if self._sock is not None:
             self._sock.close(linger=2000)
@@ -196,6 +262,7 @@ class Daemon:
             self.curve.close()
         if self._ctx is not None:
             self._ctx.term()
+        self._signals.restore()
         if self._started:
             log.info("kvswapd stopped")
 
@@ -207,7 +274,9 @@ class Daemon:
             frames = await self._sock.recv_multipart(copy=False)
             if len(frames) < 2:
                 continue  # a ROUTER always prefixes the peer identity; nothing to answer to
-            envelope, payload = [f.bytes for f in frames[:-1]], frames[-1].bytes
+            # The payload is read in place (a memoryview of ZMQ's buffer), not copied: a copy
+            # doubled what a 4 MiB frame costs in memory and time.
+            envelope, payload = [f.bytes for f in frames[:-1]], frames[-1].buffer
             if not self.serving:
                 self._send(envelope, m.Reply(m.peek_id(payload), False, error=Unavailable("the daemon is shutting down")))
                 continue
@@ -229,6 +298,11 @@ class Daemon:
             self._requests.add(task)
             task.add_done_callback(self._requests.discard)
             task.add_done_callback(lambda _, c=client: self._client_done(c))
+            del frames, payload  # the task holds the frame only until it is decoded
+            # Let the task decode its frame (and a ping answer) before the next frame is read:
+            # a receive completes at once while frames are queued, so without this yield a
+            # flood of frames became tasks ahead of everyone else's (a ping waited 5 s).
+            await asyncio.sleep(0)
 
     def _count_refusal(self) -> None:
         """A request refused before decoding (in-flight limits) still counts as a request, so
@@ -255,7 +329,7 @@ class Daemon:
                 self._send(frames[:-1], m.Reply(m.peek_id(frames[-1]), False,
                                                 error=Unavailable("the daemon is shutting down")))
 
-    async def _answer(self, envelope: list[bytes], payload: bytes) -> None:
+    async def _answer(self, envelope: list[bytes], payload: memoryview) -> None:
         """Exactly one reply per request, whatever happens: result, typed error, ``internal``
         for a bug, ``unavailable`` when shutdown cancels it."""
         started = time.perf_counter()
@@ -263,13 +337,15 @@ class Daemon:
         op = "invalid"
         request_id: int | None = None
         try:
+            size = len(payload)
             try:
                 request = m.decode_request(payload)
             except m.DecodeError as exc:
                 op = exc.op or op  # a bad key in a lookup is counted as a lookup
-                log.info("bad %s frame (%d bytes): %s: %s", op, len(payload), exc.error.code, exc.error.message)
+                log.info("bad %s frame (%d bytes): %s: %s", op, size, exc.error.code, exc.error.message)
                 reply = m.Reply(exc.request_id, False, error=exc.error)
             else:
+                del payload  # a request waiting for its answer holds its decoded fields, not its frame
                 op, request_id = request.op, request.id
                 reply = await self._dispatch(request)
         except asyncio.CancelledError:
@@ -370,7 +446,8 @@ class Daemon:
         out.update({"version": __version__, "uptime_s": round(time.time() - self.started, 3),
                     "requests_in_flight": len(self._requests), "storage_dir": self.backend.root,
                     "fsync": self.config.fsync, "metrics_port": self.health.port,
-                    "metrics_host": self.config.metrics_bind_host})
+                    "metrics_host": self.config.metrics_bind_host,
+                    "open_fds": fds.open_count(), "fd_limit": fds.soft_limit()})
         return out
 
     def _send(self, envelope: list[bytes], reply: m.Reply) -> None:
@@ -380,6 +457,10 @@ class Daemon:
         except (TypeError, ValueError, OverflowError) as exc:  # a result msgpack cannot carry: a bug
             log.error("reply to request %s cannot be encoded: %s", reply.id, exc)
             frame = m.encode_reply(m.Reply(reply.id, False, error=Internal(f"unencodable reply: {exc}"[:500])))
+        if len(frame) > MAX_REPLY_BYTES:  # a bug too: what a peer holds of our memory is bounded by it
+            log.error("reply to request %s is %d bytes, over the limit of %d", reply.id, len(frame), MAX_REPLY_BYTES)
+            frame = m.encode_reply(m.Reply(reply.id, False, error=Internal(
+                "the reply is over the size limit", size=len(frame), limit=MAX_REPLY_BYTES)))
         # With NOBLOCK the asyncio socket finishes the send at once and puts any error in the
         # returned future rather than raising it. A ROUTER drops replies to vanished peers.
         sent = self._sock.send_multipart([*envelope, frame], flags=zmq.NOBLOCK)
@@ -420,6 +501,20 @@ def _log_late_failure(task: asyncio.Future) -> None:
         log.info("a request that timed out later failed: %s", exc)
 
 
+def _warn_if_writable_by_others(root: str) -> None:
+    """Anyone who can write into the storage directory can plant records the engine will load
+    (checksums detect accidents, not forgery). The daemon creates it 0700; a directory made
+    by someone else with looser modes is served, with a warning."""
+    try:
+        mode = os.stat(root).st_mode
+    except OSError:
+        return
+    if mode & 0o022:
+        log.warning("the storage directory %s is writable by %s (mode %04o): whoever can write there can plant "
+                    "records that engines will load; chmod 700 it", root,
+                    "everyone" if mode & 0o002 else "its group", stat.S_IMODE(mode))
+
+
 def _zmq_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
@@ -452,4 +547,10 @@ def run(config: Config) -> int:
     except StartupError as exc:
         log.error("start-up failed: %s", exc, extra={"exit_code": EXIT_STARTUP_FAILED})
         return EXIT_STARTUP_FAILED
+    if daemon.force_exit:
+        # Copy and write threads may still run (a write stuck on a dead NFS server is why an
+        # operator signals twice); the interpreter would wait for them at exit. Leave now.
+        log.warning("kvswapd exits without waiting for its I/O threads")
+        logging.shutdown()
+        os._exit(EXIT_FORCED)
     return EXIT_OK

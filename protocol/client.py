@@ -4,7 +4,8 @@ Both keep many requests in flight on one DEALER socket and match replies by id. 
 has a deadline: it travels with the request (``timeout_ms``), so the daemon answers
 ``timeout`` itself when it cannot finish in time; the client waits a little longer for that
 answer and raises :class:`~kvswap.protocol.errors.Timeout` if none arrives. Failures raise the
-typed error the daemon sent.
+typed error the daemon sent. A request the daemon would refuse (over a limit of
+``protocol/limits.py``, a bad key, a bad field) raises that same error before it is sent.
 
 A :class:`Client` is not thread-safe (ZMQ sockets are not); use one per thread, or the
 :class:`AsyncClient`. ``send``/``wait`` pipeline requests on one socket::
@@ -40,6 +41,7 @@ import zmq.asyncio
 
 from . import messages as m
 from .errors import KvswapError, Timeout, Unavailable
+from .limits import DEFAULT_TIMEOUT_MS
 
 #: Extra time a client waits beyond a request's deadline for the daemon's own answer.
 GRACE_S = 1.0
@@ -186,7 +188,7 @@ class _Base:
 
 
 class Client(_Base):
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = 30.0,
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = DEFAULT_TIMEOUT_MS / 1000,
                  context: zmq.Context | None = None, *, curve_server_key: KeyLike | None = None,
                  curve_public_key: KeyLike | None = None, curve_secret_key: KeyLike | None = None,
                  curve_secret_key_file: str | None = None, curve_server_key_file: str | None = None) -> None:
@@ -202,7 +204,9 @@ class Client(_Base):
     # -- pipelining --------------------------------------------------------------------------
 
     def send(self, cls: type[m.Request], body: dict[str, Any] | None = None, timeout: float | None = None) -> int:
-        """Send one request without waiting; return its id for :meth:`wait`."""
+        """Send one request without waiting; return its id for :meth:`wait`. A request the
+        daemon would refuse (too many keys, a bad key, a bad field) raises its typed error here
+        and is not sent."""
         request, timeout = self._make(cls, body or {}, timeout)
         frame = m.encode_request(request)
         if not self._sock.poll(int(min(timeout, 1.0) * 1000), zmq.POLLOUT):
@@ -329,7 +333,7 @@ class Client(_Base):
 class AsyncClient(_Base):
     """The asyncio client. Any number of coroutines may call it at once."""
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = 30.0,
+    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, timeout: float = DEFAULT_TIMEOUT_MS / 1000,
                  context: zmq.asyncio.Context | None = None, *, curve_server_key: KeyLike | None = None,
                  curve_public_key: KeyLike | None = None, curve_secret_key: KeyLike | None = None,
                  curve_secret_key_file: str | None = None, curve_server_key_file: str | None = None) -> None:
@@ -344,6 +348,7 @@ class AsyncClient(_Base):
     async def call(self, cls: type[m.Request], body: dict[str, Any] | None = None,
                    timeout: float | None = None) -> dict[str, Any]:
         request, timeout = self._make(cls, body or {}, timeout)
+        frame = m.encode_request(request)  # raises what the daemon would answer, before sending
         if self._reader is None or self._reader.done():
             self._reader = asyncio.ensure_future(self._read_replies())
         future = asyncio.get_running_loop().create_future()
@@ -351,7 +356,7 @@ class AsyncClient(_Base):
         try:
             if not await self._sock.poll(int(min(timeout, 1.0) * 1000), zmq.POLLOUT):
                 raise Unavailable(f"kvswapd at {self.endpoint} is not reachable", endpoint=self.endpoint)
-            await self._sock.send(m.encode_request(request))
+            await self._sock.send(frame)
             try:
                 reply: m.Reply = await asyncio.wait_for(future, timeout + GRACE_S)
             except asyncio.TimeoutError:

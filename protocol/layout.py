@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
 from .errors import InvalidLayout
-from .limits import MAX_REGIONS
+from .limits import MAX_BLOCK_ID, MAX_REGIONS
 
 #: Bytes per element of each supported cache dtype. ``uint8`` is an fp8 cache, which carries
 #: per-layer scale tensors.
@@ -28,6 +28,13 @@ DTYPE_SIZES: Final[dict[str, int]] = {
     "float32": 4,
 }
 CACHE_DTYPES: Final = frozenset({"float16", "bfloat16", "uint8"})
+
+#: Upper bounds of the layout's integers, so every size derived from them (a block's bytes, a
+#: record's, a region's span) stays far inside 64 bits and can be answered in an error reply.
+#: Block ids on the wire stop at MAX_BLOCK_ID, so a pool never needs more blocks than that.
+#: Layers are bounded by the region count (MAX_REGIONS), checked before regions are built.
+MAX_DIMENSION: Final = 2**20
+MAX_FIELD: Final[dict[str, int]] = {"num_blocks": MAX_BLOCK_ID + 1, "num_layers": 2**63, "num_extra_layers": 2**63}
 
 #: Bumped whenever the on-disk record layout changes; part of every namespace fingerprint, so
 #: records of an older format are simply never found rather than misread.
@@ -153,8 +160,9 @@ class CacheLayout:
 
     def _validate(self) -> None:
         def positive(name: str, value: Any, minimum: int = 1) -> None:
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise InvalidLayout(f"{name} must be an integer >= {minimum}", field=name)
+            limit = MAX_FIELD.get(name, MAX_DIMENSION)
+            if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= limit:
+                raise InvalidLayout(f"{name} must be an integer in {minimum}..{limit}", field=name)
 
         if not isinstance(self.model_id, str) or not 0 < len(self.model_id) <= 256:
             raise InvalidLayout("model_id must be a non-empty string of at most 256 characters")

@@ -20,9 +20,28 @@ MAX_KEY_LENGTH: Final = 128
 MAX_REGIONS: Final = 4096
 #: Largest block id accepted on the wire; the registered pool size bounds it further.
 MAX_BLOCK_ID: Final = 2**31 - 1
-#: Deadline bounds for one request, in milliseconds.
+#: Deadline bounds for one request, in milliseconds. The clients' default deadline, and the
+#: daemon's for a request that brings none (``--default-timeout-ms``).
 DEFAULT_TIMEOUT_MS: Final = 30_000
 MAX_TIMEOUT_MS: Final = 3_600_000
+
+# Shape limits a request frame must meet before it is decoded in full. msgpack checks each
+# string and container against them as it reads its header, so a frame past them is refused
+# before anything is built: a decode costs at most a bounded number of objects, whatever the
+# frame holds (a 2.4 MB frame of 350k map keys took 0.25 s of the event loop before these).
+#: Bytes of one string (or binary) anywhere in a request: keys are 128, names 256.
+MAX_STRING_BYTES: Final = 1024
+#: Entries of one map anywhere in a request (the envelope, a layout, a handle, a region).
+MAX_MAP_ENTRIES: Final = 64
+#: Entries of every container of one request together (a register of MAX_REGIONS regions
+#: needs about 45,000; a swap of MAX_KEYS_PER_REQUEST keys about 16,400).
+MAX_FRAME_ITEMS: Final = 65_536
+#: Largest reply the daemon sends. A swap_out of MAX_KEYS_PER_REQUEST keys, each with an
+#: error code for its status, is about 110 KB; error replies are at most a few KiB, because
+#: nothing a peer sent is echoed beyond MAX_ECHO_CHARS characters.
+MAX_REPLY_BYTES: Final = 256 * 1024
+#: Characters of a peer's own input (a field name, an op, a key) repeated in an error reply.
+MAX_ECHO_CHARS: Final = 128
 
 #: Keys are engine block hashes (hex, base64url or ``prefix:hash`` forms). The alphabet has no
 #: path separators and cannot start with a dot, and the daemon never uses a key as a path

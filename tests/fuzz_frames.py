@@ -48,12 +48,24 @@ class Frame:
 
 
 def readable_id(payload: bytes) -> int | None:
-    """The id a daemon can answer under: the protocol's rule, restated independently."""
+    """The id a daemon can answer under: the protocol's rule, restated independently. A frame
+    past a shape limit (docs/protocol.md, Limits) is answered with a null id."""
     if len(payload) > MAX_MESSAGE_BYTES:
         return None
+    items = 0
+
+    def count(container: Any) -> Any:
+        nonlocal items
+        items += len(container) + 1
+        return container
+
     try:
-        msg = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        msg = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_str_len=1024, max_bin_len=1024,
+                              max_array_len=2 * 8192, max_map_len=64, max_ext_len=0, list_hook=count,
+                              object_hook=count)
     except Exception:
+        return None
+    if items > 65_536:
         return None
     raw = msg.get("id") if isinstance(msg, dict) else None
     return raw if type(raw) is int and 0 <= raw <= 2**64 - 1 else None

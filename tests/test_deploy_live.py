@@ -13,8 +13,10 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
+import msgpack
 import pytest
 import yaml
+import zmq
 
 from kvswap import __version__
 from kvswap.backends.file_store import record_name
@@ -87,7 +89,15 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProce
             path.write_bytes(bytes(raw))
             assert c.swap_in(keys[-1:], [10]).status == ["corrupt"]
             with pytest.raises(InvalidKey):
-                c.lookup(["bad key with spaces"])
+                c.lookup(["bad key with spaces"])  # refused by the client: never sent
+            # A peer without the client's checks sends one; the daemon refuses and counts it.
+            peer = zmq.Context.instance().socket(zmq.DEALER)
+            peer.setsockopt(zmq.LINGER, 0)
+            peer.connect(daemon.endpoint)
+            peer.send(msgpack.packb({"v": 1, "id": 1, "op": "lookup", "keys": ["bad key with spaces"]}))
+            assert peer.poll(10_000)
+            assert msgpack.unpackb(peer.recv())["error"]["code"] == "invalid_key"
+            peer.close()
             yield daemon, N_BLOCKS
     finally:
         assert daemon.stop() == 0, daemon.log()

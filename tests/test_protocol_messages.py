@@ -425,10 +425,14 @@ def test_exactly_max_keys_is_accepted() -> None:
 
 
 def test_frame_of_exactly_max_bytes_is_parsed() -> None:
-    # Pad an otherwise valid frame with an unknown field so it is exactly the limit: the size
-    # check lets it through and the field check is what rejects it.
-    base = len(frame(pad=""))
-    data = frame(pad="x" * (MAX_MESSAGE_BYTES - base - 4))  # str8/str16 -> str32 header adds 4
+    # Pad an otherwise valid frame with an unknown field (strings within the shape limits) so
+    # it is exactly the limit: the size and shape checks let it through and the field check is
+    # what rejects it.
+    chunk = "x" * 500  # 503 bytes with its str16 header; the list's array16 header adds 2
+    count = (MAX_MESSAGE_BYTES - len(frame(pad=[])) - 2 - 259) // 503
+    tail = 500 + MAX_MESSAGE_BYTES - len(frame(pad=[chunk] * count + ["x" * 500]))
+    assert 256 <= tail <= 1024  # the tail keeps its 3-byte header
+    data = frame(pad=[chunk] * count + ["x" * tail])
     assert len(data) == MAX_MESSAGE_BYTES
     exc = rejected(data)
     assert type(exc.error) is BadRequest
