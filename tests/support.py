@@ -82,6 +82,21 @@ class DaemonProcess:
                 return float(value)
         return 0.0
 
+    def metric_sum(self, name: str) -> float:
+        """The sum of every series of one metric (all label values) from a live scrape."""
+        _, text = self.http("/metrics")
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rpartition(" ")[2])
+        return total
+
+    def answers(self) -> float:
+        """How many answers the daemon has sent: it counts every reply it sends, once, in
+        ``kvswap_requests_total``. A test compares this with the replies that arrived, to
+        catch a duplicate without waiting for one."""
+        return self.metric_sum("kvswap_requests_total")
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
         if self.proc is None:
             return None
