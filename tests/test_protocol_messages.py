@@ -3,6 +3,7 @@ over bytes, tested with byte literals, a table of malformed frames and property 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgpack
@@ -516,17 +517,119 @@ def test_decode_inverts_encode(req: Request) -> None:
     assert encode_request(got) == data
 
 
+# -- an independent model of the request schema (docs/protocol.md), the oracle for decoding --
+
+_SPEC_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:=+-]{0,127}")
+
+
+def _spec_uint(value: Any, top: int) -> bool:
+    return type(value) is int and 0 <= value <= top
+
+
+def _spec_keys(value: Any) -> str | None:
+    """The error code a ``keys`` value earns, or None when it is valid."""
+    if type(value) is not list:
+        return "bad_request"
+    if len(value) > 8192:
+        return "too_large"
+    if not all(type(k) is str and _SPEC_KEY.fullmatch(k) for k in value):
+        return "invalid_key"
+    return None
+
+
+def _spec_block_ids(value: Any) -> str | None:
+    if type(value) is not list:
+        return "bad_request"
+    if len(value) > 8192:
+        return "too_large"
+    return None if all(_spec_uint(b, 2**31 - 1) for b in value) else "bad_request"
+
+
+def _spec_maps(value: Any) -> str | None:
+    if type(value) is not list or not all(type(v) is dict for v in value):
+        return "bad_request"
+    return "too_large" if len(value) > 4096 else None
+
+
+def _code(ok: bool) -> str | None:
+    return None if ok else "bad_request"
+
+
+#: op -> field -> (check returning an error code or None, required, default)
+SPEC: dict[str, dict[str, tuple[Any, bool, Any]]] = {
+    "hello": {"client": (lambda v: _code(type(v) is str and len(v) <= 256), False, "")},
+    "ping": {}, "unregister": {}, "clear": {}, "flush": {}, "stats": {},
+    "register": {"layout": (lambda v: _code(type(v) is dict), True, None),
+                 "handles": (_spec_maps, True, None), "regions": (_spec_maps, True, None),
+                 "pid": (lambda v: _code(_spec_uint(v, 2**31 - 1)), False, 0)},
+    "swap_out": {"block_ids": (_spec_block_ids, True, None), "keys": (_spec_keys, True, None),
+                 "wait": (lambda v: _code(v in ("copied", "persisted") and type(v) is str), False, "copied"),
+                 "partial": (lambda v: _code(type(v) is bool), False, False)},
+    "swap_in": {"keys": (_spec_keys, True, None), "block_ids": (_spec_block_ids, True, None)},
+    "lookup": {"keys": (_spec_keys, True, None)},
+    "delete": {"keys": (_spec_keys, True, None)},
+}
+
+
+def spec_outcome(msg: Any) -> tuple[int | None, set[str] | dict[str, Any]]:
+    """What the schema says of an unpacked frame: ``(id, {codes})`` for a refusal (any of the
+    codes may be the one reported when several fields are wrong), or ``(id, fields)`` for a
+    valid request, with every field the request carries (defaults filled in, lists as tuples)."""
+    if type(msg) is not dict:
+        return None, {"bad_request"}
+    rid = msg.get("id")
+    if not _spec_uint(rid, 2**64 - 1):
+        return None, {"bad_request"}
+    if type(msg.get("v")) is not int or msg.get("v") != 1:
+        return rid, {"unsupported_version"}
+    op = msg.get("op")
+    if type(op) is not str or op not in SPEC:
+        return rid, {"unknown_op"}
+    fields = SPEC[op]
+    codes = set()
+    timeout = msg.get("timeout_ms")
+    if timeout is not None and not _spec_uint(timeout, 3_600_000):
+        codes.add("bad_request")
+    if set(msg) - {"v", "id", "op", "timeout_ms"} - set(fields):
+        codes.add("bad_request")
+    out: dict[str, Any] = {"op": op, "id": rid, "timeout_ms": timeout}
+    for name, (check, required, default) in fields.items():
+        if name not in msg:
+            if required:
+                codes.add("bad_request")
+            out[name] = default
+            continue
+        code = check(msg[name])
+        if code is not None:
+            codes.add(code)
+        out[name] = tuple(msg[name]) if type(msg[name]) is list else msg[name]
+    if op in ("swap_out", "swap_in") and not codes and len(msg["keys"]) != len(msg["block_ids"]):
+        codes.add("bad_request")
+    return rid, (codes or out)
+
+
 def _check_decode_outcome(data: bytes) -> None:
+    """Decoding agrees with the schema model: a frame the model calls valid decodes to exactly
+    its fields, and any other is refused with one of the codes the model finds."""
+    try:
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception:
+        rid, want = None, {"bad_request"}
+    else:
+        rid, want = spec_outcome(msg)
     try:
         got = decode_request(data)
     except DecodeError as exc:
-        assert isinstance(exc.error, KvswapError)
-        assert exc.request_id is None or 0 <= exc.request_id <= MAX_REQUEST_ID
+        assert isinstance(want, set), f"a valid request was refused: {exc.error.code} {exc.error.message}"
+        assert exc.error.code in want, (exc.error.code, want)
+        assert exc.request_id == rid
         # Every rejection can be answered.
         assert decode_reply(encode_reply(Reply(exc.request_id, False, error=exc.error))).error.code == exc.error.code
         assert peek_id(data) == exc.request_id
     else:
-        assert isinstance(got, Request)
+        assert isinstance(want, dict), f"accepted a request the schema refuses with {want}: {got}"
+        assert type(got) is REQUEST_TYPES[want["op"]]
+        assert {f: getattr(got, f) for f in want if f != "op"} == {f: v for f, v in want.items() if f != "op"}
         assert peek_id(data) == got.id
         assert decode_request(encode_request(got)) == got
 
@@ -559,4 +662,35 @@ PLAUSIBLE = st.one_of(
 @given(st.dictionaries(FIELD_NAMES, PLAUSIBLE, max_size=7))
 def test_near_miss_maps_decode_or_raise_decode_error(msg: dict[str, Any]) -> None:
     # Random bytes rarely get past the msgpack layer; near-miss maps exercise the field checks.
+    _check_decode_outcome(pack(msg))
+
+
+@st.composite
+def one_edit_from_valid(draw: st.DrawFn) -> dict[str, Any]:
+    """A valid request's map with one field changed, added or removed: half of these stay
+    valid (the model says which), so both of the oracle's branches are exercised."""
+    msg = msgpack.unpackb(encode_request(draw(valid_requests())), raw=False)
+    name = draw(FIELD_NAMES)
+    action = draw(st.sampled_from(["set", "delete", "key"]))
+    if action == "delete":
+        msg.pop(name, None)
+    elif action == "key" and msg.get("keys"):
+        i = draw(st.integers(0, len(msg["keys"]) - 1))
+        msg["keys"][i] = draw(st.sampled_from(["a/b", "/", ".x", "-x", "a b", "é", "x" * 129, "", "ok.key", 7]))
+    else:
+        msg[name] = draw(PLAUSIBLE | KEYS | st.lists(KEYS, max_size=3))
+    return msg
+
+
+@settings(FAST, max_examples=600)
+@given(one_edit_from_valid())
+def test_one_edit_from_a_valid_request_decodes_as_the_schema_says(msg: dict[str, Any]) -> None:
+    _check_decode_outcome(pack(msg))
+
+
+def test_the_schema_model_refuses_a_key_with_a_slash() -> None:
+    """The oracle itself: a key with ``/`` is refused (the old oracle accepted any decode)."""
+    msg = {"v": 1, "id": 1, "op": "lookup", "keys": ["a/b"]}
+    assert spec_outcome(msg) == (1, {"invalid_key"})
+    assert spec_outcome({**msg, "keys": ["a.b"]})[1] == {"op": "lookup", "id": 1, "timeout_ms": None, "keys": ("a.b",)}
     _check_decode_outcome(pack(msg))
