@@ -67,8 +67,8 @@ def _import_mutated_copies() -> None:
 
 _import_mutated_copies()
 
-from kvswap.protocol import CacheLayout, Client, HostKVCache
-from support import DaemonProcess, free_port
+from kvswap.protocol import CacheLayout, Client, HostKVCache  # noqa: E402 (after the mutmut hook)
+from support import DaemonProcess, free_port  # noqa: E402
 
 
 @pytest.fixture

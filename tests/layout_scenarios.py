@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 from hypothesis import strategies as st
 
 from kvswap.daemon.movers.copy_plan import Placement

@@ -20,7 +20,7 @@ import zmq.auth
 from zmq.utils.monitor import recv_monitor_message
 
 from kvswap.daemon.tools.keygen import write_keypair
-from kvswap.protocol import AsyncClient, CacheLayout, Client, HostKVCache, Timeout, Unavailable
+from kvswap.protocol import AsyncClient, CacheLayout, Client, HostKVCache
 
 from support import DaemonProcess, free_port, wait_until
 
