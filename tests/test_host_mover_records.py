@@ -212,3 +212,26 @@ def test_one_past_the_end_of_a_single_tensor_cache() -> None:
     assert backing[32:].tolist() == [0] * 8
     assert mover.scatter_blocks([3], [slot], always)
     assert backing[24:32].tolist() == [0xFF] * 8 and backing[32:].tolist() == [0] * 8
+
+
+def test_a_mover_without_regions_refuses_every_block() -> None:
+    mover = HostMover([np.zeros(16, dtype=np.uint8)])
+    slot = np.zeros(8, dtype=np.uint8)
+    for block in (0, 1):
+        with pytest.raises(IndexError, match=f"^block {block} is outside the mapped cache$"):
+            mover.gather_blocks([block], [slot], always)
+        with pytest.raises(IndexError):
+            mover.scatter_blocks([block], [slot], always)
+
+
+def test_a_slot_that_is_not_one_contiguous_record_is_refused() -> None:
+    engine = np.arange(32, dtype=np.uint8)
+    mover = HostMover([engine], [Placement("k.0", 0, 0, 8, 8, 0)], 8)
+    arena = np.full(16, 0xEE, dtype=np.uint8)
+    message = "^a staging slot must be a contiguous buffer of one record$"
+    for slot in (arena[::2], arena[:7]):  # strided, and one byte short
+        with pytest.raises(ValueError, match=message):
+            mover.gather_blocks([1], [slot], always)
+        with pytest.raises(ValueError, match=message):
+            mover.scatter_blocks([1], [slot], always)
+    assert (arena == 0xEE).all() and engine.tolist() == list(range(32))
