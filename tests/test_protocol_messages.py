@@ -402,6 +402,50 @@ def test_bad_block_id_reports_field_and_index() -> None:
     assert exc.error.details == {"field": "block_ids", "index": 1}
 
 
+FIELD_REFUSALS = [
+    # (frame fields, code, message, details): what the engine's log shows for each field check.
+    (dict(timeout_ms="x"), "bad_request", "timeout_ms must be an integer in 0..3600000", {"field": "timeout_ms"}),
+    (dict(op="lookup", keys="a"), "bad_request", "keys must be a list of strings", {"field": "keys"}),
+    (dict(op="swap_in", keys=["a"], block_ids=3), "bad_request", "block_ids must be a list of integers",
+     {"field": "block_ids"}),
+    (dict(op="swap_in", keys=["a", "b"], block_ids=[0, True]), "bad_request",
+     "block_ids[1] must be an integer in 0..2147483647", {"field": "block_ids", "index": 1}),
+    (dict(op="swap_in", keys=["a"], block_ids=[0] * 8193), "too_large",
+     "block_ids has 8193 entries, the limit is 8192", {"field": "block_ids", "count": 8193, "limit": 8192}),
+    (dict(op="swap_out", keys=["a"], block_ids=[0], wait="later"), "bad_request",
+     "wait must be one of ['copied', 'persisted']", {"field": "wait"}),
+    (dict(op="swap_out", keys=["a"], block_ids=[0], partial=1), "bad_request", "partial must be true or false",
+     {"field": "partial"}),
+    (dict(op="register", layout=[], handles=[], regions=[]), "bad_request", "layout must be a map",
+     {"field": "layout"}),
+    (dict(op="register", layout={}, handles=[1], regions=[]), "bad_request", "handles must be a list of maps",
+     {"field": "handles"}),
+    (dict(op="register", layout={}, handles=[], regions=[{}] * 4097), "too_large",
+     "regions has 4097 entries, the limit is 4096", {"field": "regions", "count": 4097, "limit": 4096}),
+    (dict(op="register", layout={}, handles=[], regions=[], pid=2**31), "bad_request",
+     "pid must be an integer in 0..2147483647", {"field": "pid"}),
+    (dict(op="hello", client="c" * 257), "bad_request", "client must be a string of at most 256 characters",
+     {"field": "client"}),
+]
+
+
+@pytest.mark.parametrize("fields, code, message, details", FIELD_REFUSALS, ids=[m for _, _, m, _ in FIELD_REFUSALS])
+def test_each_field_refusal_says_which_field_and_why(fields: dict[str, Any], code: str, message: str,
+                                                     details: dict[str, Any]) -> None:
+    exc = rejected(frame(**fields))
+    assert (exc.error.code, exc.error.message, exc.error.details) == (code, message, details)
+    assert exc.request_id == 5
+    assert exc.op == fields.get("op", "ping")  # counted under its op in the metrics
+
+
+def test_field_values_at_their_edges_are_accepted() -> None:
+    assert decode_request(frame(op="hello", client="c" * 256)).client == "c" * 256
+    assert decode_request(frame(op="swap_out", keys=["a"], block_ids=[0], partial=True)).partial is True
+    assert decode_request(frame(op="swap_out", keys=["a"], block_ids=[0], partial=False)).partial is False
+    got = decode_request(frame(op="register", layout={"a": 1}, handles=[{}] * 4096, regions=[{}], pid=2**31 - 1))
+    assert (got.layout, len(got.handles), got.pid) == ({"a": 1}, 4096, 2**31 - 1)
+
+
 @pytest.mark.parametrize("name,data,error,request_id", REJECTIONS, ids=[r[0] for r in REJECTIONS])
 def test_peek_id_agrees_with_decode_request(name: str, data: bytes, error: type[KvswapError],
                                             request_id: int | None) -> None:
