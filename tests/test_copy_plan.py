@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from kvswap.daemon.movers.copy_plan import Copy, Placement, copy_plan
+from kvswap.daemon.movers.copy_plan import Copy, Placement, copy_plan, plan_arrays
 from kvswap.daemon.movers.host import HostMover
 from kvswap.protocol.layout import CacheLayout
 
@@ -188,3 +188,17 @@ def test_record_order_follows_layout_regions(dtype, has_values, expected_regions
     HostMover(buffers).gather(copy_plan(placements, [0], layout.record_bytes), staging)
     expected = b"".join(bytes([i + 1]) * r.block_bytes for i, r in enumerate(layout.regions))
     assert staging.tobytes() == expected
+
+
+@pytest.mark.parametrize("placements, block_ids", [
+    (EXAMPLE, []),                                       # no blocks
+    ([], [2, 0]),                                        # no regions
+    (EXAMPLE, np.array([2, 0], dtype=np.int32)),         # block ids as a narrow array
+])
+def test_plan_arrays_are_int64_whatever_the_input(placements, block_ids) -> None:
+    """Device movers build index tables from these arrays: an empty input must not turn them
+    into float64 (numpy's default for an empty list)."""
+    arrays = plan_arrays(placements, block_ids, record_bytes=8)
+    for name in ("handle", "engine_offset", "staging_offset", "nbytes"):
+        assert getattr(arrays, name).dtype == np.int64, name
+    assert arrays.copies() == copy_plan(placements, [int(b) for b in block_ids], 8)
