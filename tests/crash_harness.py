@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from kvswap.protocol import CacheLayout, Client, HostKVCache, KvswapError
+from kvswap.backends import record
+from kvswap.protocol import CacheLayout, Client, Corrupt, HostKVCache, KvswapError
 
 from support import DaemonProcess, free_port
 
@@ -45,6 +46,11 @@ class CrashReport:
     acknowledged: int = 0
     found_after_restart: int = 0
     verified: int = 0
+    #: Record files on disk after the last stop, each read back and checked by the test itself.
+    files_on_disk: int = 0
+    #: Files that fail their own check (torn or wrong bytes), or whose key the daemon did not
+    #: serve: each one breaks "a restart serves every fully written record and never a torn one".
+    bad_files: list[str] = field(default_factory=list)
     wrong: list[str] = field(default_factory=list)
     lost_persisted: list[str] = field(default_factory=list)
     errors: list[BaseException] = field(default_factory=list)
@@ -136,4 +142,25 @@ def crash_loop(storage_dir: Path, cycles: int, seed: int = 0, extra_args: tuple[
         report.lost_persisted.extend(k for k in all_persisted if k not in found)
         assert daemon.stop() == 0
     report.acknowledged = len(all_persisted)
+    check_files(storage_dir, found, report)
     return report
+
+
+def check_files(storage_dir: Path, served: set[str], report: CrashReport) -> None:
+    """Read every record file the daemon left, with the record format alone (no daemon, no
+    index): each must pass its header and checksum, hold exactly ``content_for(key)``, and be
+    a key the daemon served after the last restart."""
+    for path in sorted(storage_dir.rglob("*.kvr")):
+        report.files_on_disk += 1
+        data = path.read_bytes()
+        try:
+            header = record.decode_header(data)
+            payload = data[header.header_len:]
+            record.verify(header, header.namespace, header.key, payload)
+        except Corrupt as exc:
+            report.bad_files.append(f"{path.name}: {exc.message}")
+            continue
+        if payload != content_for(header.key, LAYOUT.record_bytes):
+            report.bad_files.append(f"{path.name}: holds other bytes than {header.key}'s")
+        elif header.key not in served:
+            report.bad_files.append(f"{path.name}: {header.key} is on disk but was not served")

@@ -14,7 +14,7 @@ import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import msgpack
 import zmq
@@ -336,6 +336,8 @@ class FuzzSession:
 
     endpoint: str
     reply_timeout_s: float = 30.0
+    #: The daemon's count of answers sent (``DaemonProcess.answers``), for :meth:`finish`.
+    answers: Callable[[], float] | None = None
     frames: int = 0
     codes: Counter = field(default_factory=Counter)
     kinds: Counter = field(default_factory=Counter)
@@ -346,13 +348,30 @@ class FuzzSession:
         self.sock.connect(self.endpoint)
         self._ids = itertools.count(1 << 40)
         self._outstanding: set[int] = set()
+        #: Every answer that came off the socket.
+        self.replies = 0
+        self._answers_before = self.answers() if self.answers is not None else 0.0
 
     def close(self) -> None:
         self.sock.close()
 
     def finish(self, quiet_s: float = 0.5) -> None:
-        """After the last batch: nothing more may arrive (a late duplicate would, here)."""
-        if self.sock.poll(int(quiet_s * 1000)):
+        """After the last batch. With ``answers`` (the daemon's own count of the answers it
+        sent, read at the start and now), the count must equal the answers that arrived: a
+        duplicate sent after its request was answered makes it larger, and nothing waits for
+        silence. Without it (a daemon whose metrics are not at hand), nothing may arrive
+        within ``quiet_s``."""
+        if self.answers is None:
+            if self.sock.poll(int(quiet_s * 1000)):
+                raise FuzzFailure(f"an answer after every frame was answered: {self.sock.recv_multipart()!r:.300}")
+            return
+        deadline = time.monotonic() + 10.0
+        while (sent := self.answers() - self._answers_before) < self.replies and time.monotonic() < deadline:
+            time.sleep(0.05)  # the scrape may run a moment ahead of the last answer's count
+        if sent != self.replies:
+            late = self.sock.recv_multipart() if self.sock.poll(0) else None
+            raise FuzzFailure(f"the daemon sent {sent:.0f} answers, {self.replies} arrived; first extra: {late!r:.300}")
+        if self.sock.poll(0):
             raise FuzzFailure(f"an answer after every frame was answered: {self.sock.recv_multipart()!r:.300}")
 
     def run_batch(self, frames: Iterable[Frame]) -> None:
@@ -391,6 +410,7 @@ class FuzzSession:
                 raise FuzzFailure(f"no answer within {self.reply_timeout_s} s to {len(waiting)} requests "
                                   f"({[by_id[i] for i in list(waiting)[:3]]}) and {null_left} id-less frames")
             parts = self.sock.recv_multipart()
+            self.replies += 1
             reply = self._check_reply(parts[-1])
             rid = reply["id"]
             if rid is None:

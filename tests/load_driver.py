@@ -14,7 +14,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import xxhash
@@ -70,9 +70,11 @@ class CountingClient(Client):
             self.received["<undecodable>"] += 1
         super()._take(frame)
 
-    def drain(self, quiet_s: float = 0.3) -> None:
-        """Read whatever else arrives until the socket has been quiet for ``quiet_s``."""
-        while self._sock.poll(int(quiet_s * 1000)):
+    def drain(self) -> None:
+        """Read whatever else has arrived (a duplicate sent beside its answer). Replies the
+        daemon sent but that never arrived are caught by comparing its own count of answers
+        (``LoadReport.daemon_answers``) with what the clients sent, not by waiting here."""
+        while self._sock.poll(0):
             self._take(self._sock.recv())
 
 
@@ -98,6 +100,11 @@ class LoadReport:
     rss_kib_start: int
     rss_kib_end: int
     peak_rss_kib: int
+    #: Requests the clients sent during the run (the admin's flush included), and the answers
+    #: the daemon says it sent in the same time (-1: not measured). Each request has exactly one
+    #: answer, so the two are equal; a duplicate makes the daemon's count larger.
+    requests_sent: int = 0
+    daemon_answers: int = -1
 
     def total(self, name: str) -> int:
         return sum(getattr(w, name) for w in self.workers)
@@ -234,11 +241,14 @@ class Worker:
 
 
 def run_load(endpoint: str, daemon_pid: int, clients: int = 16, duration_s: float = 10.0, seed: int = 0,
-             layout: CacheLayout = LAYOUT, report_every_s: float = 0.0, say=print) -> LoadReport:
-    """Register one shared cache, run ``clients`` workers for ``duration_s``, check everything."""
+             layout: CacheLayout = LAYOUT, report_every_s: float = 0.0, say=print,
+             answers: Callable[[], float] | None = None) -> LoadReport:
+    """Register one shared cache, run ``clients`` workers for ``duration_s``, check everything.
+    ``answers`` is the daemon's count of answers sent (``DaemonProcess.answers``)."""
     with HostKVCache.create(layout) as cache, Client(endpoint, timeout=30) as admin:
         admin.wait_ready(30)
         admin.register(cache)
+        answers_before = answers() if answers is not None else 0.0
         stop = threading.Event()
         workers = [Worker(i, clients, endpoint, cache, stop, seed * 1000 + i) for i in range(clients)]
         threads = [threading.Thread(target=w.run, name=f"load-{i}", daemon=True) for i, w in enumerate(workers)]
@@ -259,6 +269,14 @@ def run_load(endpoint: str, daemon_pid: int, clients: int = 16, duration_s: floa
         for t in threads:
             t.join(60)  # a worker still running now is stuck on an answer that never came
         admin.flush()
+        sent = sum(w.result.sent for w in workers) + 1  # + the flush
+        daemon_answers = -1
+        if answers is not None:
+            deadline = time.monotonic() + 10
+            # Every request was answered (the clients waited for each), so the count is final
+            # once the scrape catches up with the last answer.
+            while (daemon_answers := round(answers() - answers_before)) < sent and time.monotonic() < deadline:
+                time.sleep(0.05)
         status = proc_status(daemon_pid)
         return LoadReport(clients, elapsed, [w.result for w in workers], sum(t.is_alive() for t in threads),
-                          rss_start, status["VmRSS"], status["VmHWM"])
+                          rss_start, status["VmRSS"], status["VmHWM"], sent, daemon_answers)

@@ -17,7 +17,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from support import free_port, wait_until
+from support import INSTALLED_BY_TEST_SETUP, free_port, wait_until
 
 
 def redis_server_path() -> str | None:
@@ -26,9 +26,9 @@ def redis_server_path() -> str | None:
 
 def redis_skip_reason() -> str:
     if redis_server_path() is None:
-        return "redis-server is not installed (Debian: apt-get install redis-server; .ci/run does it)"
+        return f"redis-server is not installed (Debian package redis-server; {INSTALLED_BY_TEST_SETUP})"
     if importlib.util.find_spec("redis") is None:
-        return "redis-py is not installed (pip install -e '.[test]')"
+        return f"redis-py is not installed (the test extra; {INSTALLED_BY_TEST_SETUP})"
     return ""
 
 
@@ -45,14 +45,14 @@ def mooncake_master_path() -> str | None:
 
 def mooncake_skip_reason() -> str:
     if importlib.util.find_spec("mooncake") is None:
-        return "mooncake-transfer-engine-non-cuda is not installed (pip install -e '.[test]')"
+        return f"mooncake-transfer-engine-non-cuda is not installed (the test extra; {INSTALLED_BY_TEST_SETUP})"
     if mooncake_master_path() is None:
-        return "the mooncake package has no mooncake_master binary"
+        return f"the mooncake package has no mooncake_master binary (the test extra; {INSTALLED_BY_TEST_SETUP})"
     from kvswap.backends.mooncake_tier import mooncake_import_error
 
     problem = mooncake_import_error()
     if problem:
-        return f"mooncake.store does not import: {problem} (Debian: apt-get install libibverbs1; .ci/run does it)"
+        return f"mooncake.store does not import: {problem} (Debian package libibverbs1; {INSTALLED_BY_TEST_SETUP})"
     return ""
 
 

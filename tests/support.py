@@ -18,6 +18,12 @@ from pathlib import Path
 from kvswap.protocol import Client
 
 
+#: Ends the skip reason of every test that skips for a component scripts/test.sh installs
+#: (Redis, Mooncake's libibverbs, promtool, the test extra's packages). Under CI=true such a
+#: skip is a failure (tests/conftest.py): CI installed the component, so a skip means it broke.
+INSTALLED_BY_TEST_SETUP = "scripts/test.sh installs it"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -81,6 +87,21 @@ class DaemonProcess:
             if metric == name and got == want:
                 return float(value)
         return 0.0
+
+    def metric_sum(self, name: str) -> float:
+        """The sum of every series of one metric (all label values) from a live scrape."""
+        _, text = self.http("/metrics")
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rpartition(" ")[2])
+        return total
+
+    def answers(self) -> float:
+        """How many answers the daemon has sent: it counts every reply it sends, once, in
+        ``kvswap_requests_total``. A test compares this with the replies that arrived, to
+        catch a duplicate without waiting for one."""
+        return self.metric_sum("kvswap_requests_total")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
         if self.proc is None:

@@ -6,18 +6,21 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 import zmq
 import zmq.auth
+from zmq.utils.monitor import recv_monitor_message
 
 from kvswap.daemon.tools.keygen import write_keypair
-from kvswap.protocol import AsyncClient, CacheLayout, Client, HostKVCache, Timeout, Unavailable
+from kvswap.protocol import AsyncClient, CacheLayout, Client, HostKVCache
 
 from support import DaemonProcess, free_port, wait_until
 
@@ -61,14 +64,45 @@ def curve_daemon(tmp_path: Path, keys: dict[str, Path]) -> Iterator[DaemonProces
     assert d.stop() == 0, d.log()
 
 
+#: What the client's own ZMQ socket reports when the daemon ends a handshake (the signal a
+#: refusal test waits on: a hung daemon would send none of them, and the wait would fail).
+HANDSHAKE_EVENTS = {zmq.EVENT_HANDSHAKE_SUCCEEDED: "succeeded", zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "failed",
+                    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "failed_protocol", zmq.EVENT_HANDSHAKE_FAILED_AUTH: "denied"}
+
+
+def handshake(endpoint: str, curve_secret_key_file: str | None = None, curve_server_key_file: str | None = None,
+              curve_server_key: bytes | None = None, timeout_s: float = 10.0) -> str:
+    """Connect a socket with these CURVE settings (none: plain ZMQ) and return how its first
+    handshake with the daemon ended: "succeeded", "failed" (the CURVE exchange broke off),
+    "failed_protocol" (mechanism mismatch) or "denied" (the daemon's authenticator said no).
+    The daemon must answer the handshake one way or the other within ``timeout_s``."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    if curve_secret_key_file is not None:
+        public, secret = zmq.auth.load_certificate(curve_secret_key_file)
+        sock.curve_publickey, sock.curve_secretkey = public, secret
+        sock.curve_serverkey = (curve_server_key if curve_server_key is not None
+                                else zmq.auth.load_certificate(str(curve_server_key_file))[0])
+    monitor = sock.get_monitor_socket()
+    try:
+        sock.connect(endpoint)
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if monitor.poll(int(left * 1000) + 1):
+                event = recv_monitor_message(monitor)["event"]
+                if event in HANDSHAKE_EVENTS:
+                    return HANDSHAKE_EVENTS[event]
+        raise AssertionError(f"the daemon neither accepted nor refused a handshake within {timeout_s} s")
+    finally:
+        sock.disable_monitor()
+        monitor.close()
+        sock.close()
+
+
 def refused(endpoint: str, **options: object) -> bool:
-    """True when a client with these options gets no answer: ZMQ dropped it at the handshake."""
-    with Client(endpoint, timeout=0.5, **options) as c:
-        try:
-            c.ping()
-        except (Unavailable, Timeout):
-            return True
-    return False
+    """True when the daemon ended the handshake of a client with these options with a
+    failure (so no request of it can ever reach the daemon)."""
+    return handshake(endpoint, **options) != "succeeded"
 
 
 # -- keygen ------------------------------------------------------------------------------------
@@ -113,12 +147,17 @@ def test_authorized_engine_works_and_others_are_refused(curve_daemon: DaemonProc
         assert c.swap_in(["c0", "c1"], [6, 7]).loaded == 2
         assert [cache.block_record(6), cache.block_record(7)] == expected
 
-        # No CURVE at all, an unlisted key, a listed key with the wrong server key: no answer.
-        assert refused(curve_daemon.endpoint)
-        assert refused(curve_daemon.endpoint, **engine_options(keys, "intruder"))
+        # No CURVE at all, an unlisted key, a listed key with the wrong server key: each
+        # handshake ends in a failure the client's socket reports; only the unlisted key
+        # reaches the daemon's authenticator, which denies it and counts it.
+        assert handshake(curve_daemon.endpoint) in ("failed", "failed_protocol")
+        denied_before = curve_daemon.metric("kvswap_auth_denied_total")
+        assert handshake(curve_daemon.endpoint, **engine_options(keys, "intruder")) == "denied"
+        assert wait_until(lambda: curve_daemon.metric("kvswap_auth_denied_total") > denied_before)
         wrong_server = zmq.auth.load_certificate(str(keys["dir"] / "intruder.key"))[0]
-        assert refused(curve_daemon.endpoint, curve_secret_key_file=str(keys["engine"]),
-                       curve_server_key=wrong_server)
+        assert handshake(curve_daemon.endpoint, curve_secret_key_file=str(keys["engine"]),
+                         curve_server_key=wrong_server) == "failed"
+        assert handshake(curve_daemon.endpoint, **engine_options(keys)) == "succeeded"
         # The authorized engine is unaffected, and its records are intact.
         assert c.lookup(["c0", "c1"]) == 2
     assert curve_daemon.metric("kvswap_auth_denied_total") >= 1
@@ -126,6 +165,19 @@ def test_authorized_engine_works_and_others_are_refused(curve_daemon: DaemonProc
     log = curve_daemon.log()
     assert "CURVE is on" in log and "refused a CURVE client" in log
     assert "without authentication" not in log
+
+
+def test_a_hung_daemon_is_not_taken_for_a_refusal(curve_daemon: DaemonProcess, keys: dict[str, Path]) -> None:
+    """The refusal checks above wait for the daemon to end the handshake; a stopped daemon
+    (the kernel still accepts the TCP connection) ends none, and the check says so."""
+    assert curve_daemon.proc is not None
+    curve_daemon.proc.send_signal(signal.SIGSTOP)
+    try:
+        with pytest.raises(AssertionError, match="neither accepted nor refused"):
+            handshake(curve_daemon.endpoint, **engine_options(keys, "intruder"), timeout_s=1.0)
+    finally:
+        curve_daemon.proc.send_signal(signal.SIGCONT)
+    assert handshake(curve_daemon.endpoint, **engine_options(keys, "intruder")) == "denied"
 
 
 def test_the_async_client_speaks_curve_too(curve_daemon: DaemonProcess, keys: dict[str, Path]) -> None:

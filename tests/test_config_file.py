@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,6 @@ from kvswap.protocol import Client
 
 from support import free_port
 
-tomllib = pytest.importorskip("tomllib", reason="config files need Python 3.11 (tomllib)")
 
 KVSWAPD = [sys.executable, "-m", "kvswap.daemon"]
 

@@ -4,16 +4,15 @@ and placements against a reference written independently here. Pure units, no da
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from kvswap.daemon.movers.copy_plan import Copy, Placement, copy_plan
+from kvswap.daemon.movers.copy_plan import Copy, Placement, copy_plan, plan_arrays
 from kvswap.daemon.movers.host import HostMover
 from kvswap.protocol.layout import CacheLayout
+
+from layout_scenarios import Scenario, scenarios
 
 # -- the worked example -----------------------------------------------------------------------
 
@@ -83,76 +82,6 @@ def test_mover_accepts_typed_engine_tensors():
 # -- random layouts and placements --------------------------------------------------------------
 
 
-@dataclass
-class Scenario:
-    layout: CacheLayout
-    placements: list[Placement]
-    handle_sizes: list[int]
-    block_ids: list[int]
-    seed: int
-
-
-@st.composite
-def layouts(draw) -> CacheLayout:
-    return CacheLayout(
-        model_id="test/model",
-        num_layers=draw(st.integers(1, 3)),
-        num_extra_layers=draw(st.integers(0, 2)),
-        num_blocks=draw(st.integers(1, 6)),
-        block_size=draw(st.integers(1, 4)),
-        num_kv_heads=draw(st.integers(1, 2)),
-        head_dim=draw(st.integers(1, 8)),
-        dtype=draw(st.sampled_from(["bfloat16", "float16", "uint8"])),
-        has_values=draw(st.booleans()),
-        scale_dtype=draw(st.sampled_from(["float32", "float16"])),
-    )
-
-
-@st.composite
-def scenarios(draw, distinct: bool = False) -> Scenario:
-    layout = draw(layouts())
-    regions = list(layout.regions)
-    num_handles = draw(st.integers(1, 3))
-    by_handle: list[list] = [[] for _ in range(num_handles)]
-    for region in regions:
-        by_handle[draw(st.integers(0, num_handles - 1))].append(region)
-
-    placements: dict[str, Placement] = {}
-    sizes = []
-    n = layout.num_blocks
-    for h, members in enumerate(by_handle):
-        members = draw(st.permutations(members))  # the engine's order need not be the record's
-        cursor = draw(st.integers(0, 64))  # leading bytes of the handle nobody owns
-        if draw(st.booleans()):
-            # Layer-major: each region a tensor of its own, one after another, with gaps
-            # between blocks (stride > block_bytes) and between tensors.
-            for r in members:
-                stride = r.block_bytes + draw(st.integers(0, 16))
-                offset = cursor + draw(st.integers(0, 32))
-                placements[r.name] = Placement(r.name, h, offset, stride, r.block_bytes, r.record_offset)
-                cursor = offset + (n - 1) * stride + r.block_bytes
-        else:
-            # Block-major rows: every member's chunk of block b in row b, interleaved.
-            base, row = cursor, 0
-            positions = []
-            for r in members:
-                row += draw(st.integers(0, 8))
-                positions.append((r, row))
-                row += r.block_bytes
-            row += draw(st.integers(0, 8))
-            for r, at in positions:
-                placements[r.name] = Placement(r.name, h, base + at, max(row, 1), r.block_bytes, r.record_offset)
-            cursor = base + n * row
-        sizes.append(cursor + draw(st.integers(0, 32)))
-
-    if distinct:
-        block_ids = draw(st.lists(st.integers(0, n - 1), max_size=n, unique=True))
-    else:
-        block_ids = draw(st.lists(st.integers(0, n - 1), max_size=10))
-    ordered = [placements[r.name] for r in regions]  # region order = record order
-    return Scenario(layout, ordered, sizes, block_ids, draw(st.integers(0, 2**32 - 1)))
-
-
 def _region_contents(s: Scenario, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """Per region, the bytes of each of its blocks: shape [num_blocks, block_bytes]."""
     return {r.name: rng.integers(0, 256, size=(s.layout.num_blocks, r.block_bytes), dtype=np.uint8)
@@ -178,6 +107,8 @@ def _reference_records(s: Scenario, contents: dict[str, np.ndarray]) -> bytes:
         for region in s.layout.regions:
             out += contents[region.name][b].tobytes()
     return bytes(out)
+
+
 
 
 @settings(max_examples=120, deadline=None)
@@ -257,3 +188,17 @@ def test_record_order_follows_layout_regions(dtype, has_values, expected_regions
     HostMover(buffers).gather(copy_plan(placements, [0], layout.record_bytes), staging)
     expected = b"".join(bytes([i + 1]) * r.block_bytes for i, r in enumerate(layout.regions))
     assert staging.tobytes() == expected
+
+
+@pytest.mark.parametrize("placements, block_ids", [
+    (EXAMPLE, []),                                       # no blocks
+    ([], [2, 0]),                                        # no regions
+    (EXAMPLE, np.array([2, 0], dtype=np.int32)),         # block ids as a narrow array
+])
+def test_plan_arrays_are_int64_whatever_the_input(placements, block_ids) -> None:
+    """Device movers build index tables from these arrays: an empty input must not turn them
+    into float64 (numpy's default for an empty list)."""
+    arrays = plan_arrays(placements, block_ids, record_bytes=8)
+    for name in ("handle", "engine_offset", "staging_offset", "nbytes"):
+        assert getattr(arrays, name).dtype == np.int64, name
+    assert arrays.copies() == copy_plan(placements, [int(b) for b in block_ids], 8)

@@ -73,7 +73,8 @@ def test_full_disk_is_a_typed_status_and_reads_keep_working(tmp_path: Path, cach
         # Each failed write evicted the least recently used records to make room, then gave up.
         stats = c.stats()["tiers"]["file"]
         assert stats["enospc_retries"] == 2 and stats["evicted_enospc"] >= 2
-        assert c.lookup(["old-0"]) == 0
+        # Which of old-* went first depends on the order the write threads finished them in.
+        assert sum(c.lookup([f"old-{i}"]) for i in range(10)) <= 10 - stats["evicted_enospc"]
         cache.zero_blocks([9])
         assert c.swap_in(["before"], [9]).loaded == 1
         assert cache.block_record(9) == cache.block_record(0)

@@ -1,7 +1,7 @@
 """deploy/: the systemd unit (systemd-analyze verify), the Kubernetes example, the Prometheus
 configuration and rules (promtool check and promtool's rule unit tests) and the Grafana
 dashboard's PromQL (parsed by promtool). Tools that are absent skip their test with the
-reason; .ci/run installs promtool."""
+reason; scripts/test.sh installs promtool."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ import yaml
 from kvswap.daemon.cli import main as kvswapd_command
 from kvswap.daemon.config import Config
 
+from support import INSTALLED_BY_TEST_SETUP
+
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 UNIT = DEPLOY / "systemd" / "kvswapd@.service"
 ENV_EXAMPLE = DEPLOY / "systemd" / "kvswapd.env.example"
@@ -26,7 +28,7 @@ PROM = DEPLOY / "prometheus"
 DASHBOARD = DEPLOY / "grafana" / "kvswap.json"
 
 needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
-                                    reason="promtool not installed (Debian package 'prometheus'; .ci/run installs it)")
+                                    reason=f"promtool not installed (Debian package prometheus; {INSTALLED_BY_TEST_SETUP})")
 
 
 def kvswapd_env_vars() -> set[str]:
@@ -49,7 +51,7 @@ def unit_settings(text: str) -> dict[str, list[str]]:
 def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
-        pytest.skip("systemd-analyze not installed (apt package 'systemd')")
+        pytest.skip(f"systemd-analyze not installed (Debian package systemd; {INSTALLED_BY_TEST_SETUP})")
     # verify checks that ExecStart exists: point it at this checkout's kvswapd.
     kvswapd = shutil.which("kvswapd") or str(Path(sys.executable).resolve())
     text = UNIT.read_text().replace("ExecStart=/usr/local/bin/kvswapd", f"ExecStart={kvswapd}")

@@ -23,7 +23,7 @@ from kvswap.backends.file_store import record_name
 from kvswap.protocol import CacheLayout, Client, HostKVCache, InvalidKey, NotRegistered
 
 from promql import references
-from support import DaemonProcess, free_port, wait_until
+from support import INSTALLED_BY_TEST_SETUP, DaemonProcess, free_port, wait_until
 from test_deploy_files import PROM, as_plain_promql, dashboard_exprs
 
 #: Series Prometheus makes itself for every target.
@@ -180,7 +180,7 @@ def prom_get(port: int, path: str) -> tuple[int, bytes]:
 def prometheus(live: tuple[DaemonProcess, int], tmp_path: Path) -> Iterator[int]:
     binary = shutil.which("prometheus")
     if binary is None:
-        pytest.skip("prometheus not installed (Debian package 'prometheus'; .ci/run installs it)")
+        pytest.skip(f"prometheus not installed (Debian package prometheus; {INSTALLED_BY_TEST_SETUP})")
     daemon, _ = live
     port = free_port()
     config = {

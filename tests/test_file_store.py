@@ -13,12 +13,13 @@ import tempfile
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import Phase, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from hypothesis import strategies as st
 
 from kvswap.backends import file_store, record
 from kvswap.backends.base import GetStatus
-from kvswap.backends.file_store import Disk, FileBackend, FileStore, record_name
+from kvswap.backends.file_store import Capacity, Disk, FileBackend, FileStore, record_name
 from kvswap.protocol.errors import IOFailure, NoSpace
 from kvswap.protocol.layout import CacheLayout
 
@@ -598,38 +599,132 @@ def test_fsync_modes_round_trip(root, fsync):
 
 _KEY_FIRST = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_"
 _keys = st.builds(lambda a, b: a + b, st.sampled_from(_KEY_FIRST), st.text(_KEY_FIRST + ".:=+-", max_size=127))
-_ops = st.lists(st.tuples(st.sampled_from(["put", "get", "contains", "delete", "restart"]),
-                          st.integers(0, 5), st.integers(0, 2**16)), max_size=25)
+MODEL_KEYS = 16
+MODEL_CAP_RECORDS = 6
+FILE_BYTES = 256 + RECORD_BYTES
 
 
-@settings(max_examples=30, deadline=None)
-@given(keys=st.lists(_keys, min_size=6, max_size=6, unique=True), ops=_ops)
-def test_store_behaves_like_a_dict(keys, ops):
-    with tempfile.TemporaryDirectory() as tmp:
-        root = os.path.join(tmp, "kv")
-        store = FileBackend(root).open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
-        model: dict[str, bytes] = {}
-        for op, k, seed in ops:
-            key = keys[k]
-            if op == "put":
-                payload = payload_for(seed)
-                store.put(key, payload)
-                model[key] = bytes(payload)
-            elif op == "get":
-                out = out_buffer()
-                status = store.get_into(key, out)
-                if key in model:
-                    assert status is GetStatus.LOADED and bytes(out) == model[key]
-                else:
-                    assert status is GetStatus.MISS
-            elif op == "contains":
-                assert store.contains(key) is (key in model)
-            elif op == "delete":
-                assert store.delete(key) is (key in model)
-                model.pop(key, None)
-            else:
-                store = FileBackend(root).open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
-                assert store.scan() == len(model)
-        assert store.usage() == {"records": len(model), "bytes": len(model) * (256 + RECORD_BYTES)}
-        assert len(record_files(root)) == len(model)
-        assert tmp_files(store) == []
+def keys_on_disk(root: str) -> dict[str, bytes]:
+    """Every record file under ``root``, read with the record format alone (not the store's
+    index): key -> payload. Each must pass its own check."""
+    out = {}
+    for path in record_files(root):
+        with open(path, "rb") as f:
+            data = f.read()
+        header = record.decode_header(data)
+        payload = data[header.header_len:]
+        record.verify(header, header.namespace, header.key, payload)
+        out[header.key] = payload
+    return out
+
+
+class FileStoreModel(RuleBasedStateMachine):
+    """The file tier under a capacity cap of MODEL_CAP_RECORDS records, against a dict plus a
+    recency order. The model does not predict how much eviction frees (the store evicts down
+    to its low watermark); it checks that whatever vanished was the least recently used,
+    that the cap held, and, after every step, that the directory is exactly the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tmp = tempfile.TemporaryDirectory()
+        self.root = os.path.join(self.tmp.name, "kv")
+        self.store = self._open()
+        self.model: dict[str, bytes] = {}
+        #: Recency: key -> rank, higher is more recent. A restart sets every rank to 0, since
+        #: file mtimes (the recency a restart sees) are too coarse to order writes a moment apart.
+        self.rank: dict[str, int] = {}
+        self.clock = 0
+        self.keys: list[str] = []
+
+    def _open(self) -> FileStore:
+        backend = FileBackend(self.root, capacity=Capacity(max_bytes=MODEL_CAP_RECORDS * FILE_BYTES))
+        store = backend.open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
+        store.scan()
+        return store
+
+    def _use(self, key: str) -> None:
+        self.clock += 1
+        self.rank[key] = self.clock
+
+    def _check_evictions(self, survivors_expected: set[str], exempt: str | None = None) -> None:
+        """Keys of the model no longer on disk were evicted: drop them from the model, after
+        checking each was no more recent than any record that stayed."""
+        on_disk = set(keys_on_disk(self.root))
+        gone = survivors_expected - on_disk
+        kept = (survivors_expected & on_disk) - {exempt}
+        if gone and kept:
+            assert max(self.rank[k] for k in gone) <= min(self.rank[k] for k in kept), \
+                f"evicted {sorted(gone)} while less recently used {sorted(kept)} stayed"
+        for k in gone:
+            del self.model[k]
+            del self.rank[k]
+
+    @initialize(keys=st.lists(_keys, min_size=MODEL_KEYS, max_size=MODEL_KEYS, unique=True))
+    def choose_keys(self, keys: list[str]) -> None:
+        self.keys = keys
+
+    @rule(k=st.integers(0, MODEL_KEYS - 1), seed=st.integers(0, 2**16))
+    def put(self, k: int, seed: int) -> None:
+        key = self.keys[k]
+        payload = payload_for(seed)
+        assert self.store.put(key, payload) == FILE_BYTES
+        self._check_evictions(set(self.model) - {key})
+        self.model[key] = bytes(payload)
+        self._use(key)
+
+    @rule(k=st.integers(0, MODEL_KEYS - 1))
+    def get(self, k: int) -> None:
+        key = self.keys[k]
+        out = out_buffer()
+        status = self.store.get_into(key, out)
+        if key in self.model:
+            assert status is GetStatus.LOADED and bytes(out) == self.model[key]
+            self._use(key)
+        else:
+            assert status is GetStatus.MISS
+
+    @rule(k=st.integers(0, MODEL_KEYS - 1))
+    def contains(self, k: int) -> None:
+        key = self.keys[k]
+        assert self.store.contains(key) is (key in self.model)
+        if key in self.model:
+            self._use(key)  # a lookup is a use: it refreshes recency like a read
+
+    @rule(k=st.integers(0, MODEL_KEYS - 1))
+    def delete(self, k: int) -> None:
+        key = self.keys[k]
+        assert self.store.delete(key) is (key in self.model)
+        self.model.pop(key, None)
+        self.rank.pop(key, None)
+
+    @rule()
+    def maintain(self) -> None:
+        self.store.maintain()
+        self._check_evictions(set(self.model))
+
+    @rule()
+    def restart(self) -> None:
+        self.store.close()
+        self.store = self._open()
+        assert self.store.usage()["records"] == len(self.model)
+        self.rank = {k: 0 for k in self.model}
+
+    @invariant()
+    def directory_is_the_model(self) -> None:
+        if not self.keys:
+            return
+        assert keys_on_disk(self.root) == self.model
+        assert self.store.usage() == {"records": len(self.model), "bytes": len(self.model) * FILE_BYTES}
+        assert self.store.usage()["bytes"] <= MODEL_CAP_RECORDS * FILE_BYTES
+        assert tmp_files(self.store) == []
+
+    def teardown(self) -> None:
+        self.store.close()
+        self.tmp.cleanup()
+
+
+# No shrinking: a failing run prints its whole step list, and shrinking stalls (for minutes)
+# on steps whose outcome depends on file mtimes, which a replay cannot reproduce.
+FileStoreModel.TestCase.settings = settings(max_examples=40, stateful_step_count=60, deadline=None,
+                                            phases=[Phase.explicit, Phase.reuse, Phase.generate])
+test_file_store_against_a_model_with_a_cap = FileStoreModel.TestCase

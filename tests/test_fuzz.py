@@ -36,7 +36,7 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonPro
 
 def test_every_hostile_frame_gets_one_typed_answer(fuzzed, capsys: pytest.CaptureFixture) -> None:
     daemon, cache, expected = fuzzed
-    session = FuzzSession(daemon.endpoint)
+    session = FuzzSession(daemon.endpoint, answers=daemon.answers)
 
     @settings(max_examples=MIN_FRAMES // 8 + 10, deadline=None, print_blob=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])

@@ -12,13 +12,14 @@ from support import DaemonProcess
 
 def test_sixteen_clients_mixed_load(daemon: DaemonProcess, capsys: pytest.CaptureFixture) -> None:
     assert daemon.proc is not None
-    report = run_load(daemon.endpoint, daemon.proc.pid, clients=16, duration_s=10.0, seed=7)
+    report = run_load(daemon.endpoint, daemon.proc.pid, clients=16, duration_s=10.0, seed=7, answers=daemon.answers)
     with capsys.disabled():
         print("\n" + report.summary())
     assert report.hung_workers == 0
     assert report.total("sent") > 0 and all(w.sent > 0 for w in report.workers)  # every client got work done
     assert report.total("lost") == 0
     assert report.total("duplicated") == 0
+    assert report.daemon_answers == report.requests_sent  # no answer sent that did not arrive
     assert report.total("strays") == 0
     assert report.wrong_answers == []
     assert report.total("mismatched_blocks") == 0

@@ -3,6 +3,7 @@ over bytes, tested with byte literals, a table of malformed frames and property 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgpack
@@ -401,6 +402,50 @@ def test_bad_block_id_reports_field_and_index() -> None:
     assert exc.error.details == {"field": "block_ids", "index": 1}
 
 
+FIELD_REFUSALS = [
+    # (frame fields, code, message, details): what the engine's log shows for each field check.
+    (dict(timeout_ms="x"), "bad_request", "timeout_ms must be an integer in 0..3600000", {"field": "timeout_ms"}),
+    (dict(op="lookup", keys="a"), "bad_request", "keys must be a list of strings", {"field": "keys"}),
+    (dict(op="swap_in", keys=["a"], block_ids=3), "bad_request", "block_ids must be a list of integers",
+     {"field": "block_ids"}),
+    (dict(op="swap_in", keys=["a", "b"], block_ids=[0, True]), "bad_request",
+     "block_ids[1] must be an integer in 0..2147483647", {"field": "block_ids", "index": 1}),
+    (dict(op="swap_in", keys=["a"], block_ids=[0] * 8193), "too_large",
+     "block_ids has 8193 entries, the limit is 8192", {"field": "block_ids", "count": 8193, "limit": 8192}),
+    (dict(op="swap_out", keys=["a"], block_ids=[0], wait="later"), "bad_request",
+     "wait must be one of ['copied', 'persisted']", {"field": "wait"}),
+    (dict(op="swap_out", keys=["a"], block_ids=[0], partial=1), "bad_request", "partial must be true or false",
+     {"field": "partial"}),
+    (dict(op="register", layout=[], handles=[], regions=[]), "bad_request", "layout must be a map",
+     {"field": "layout"}),
+    (dict(op="register", layout={}, handles=[1], regions=[]), "bad_request", "handles must be a list of maps",
+     {"field": "handles"}),
+    (dict(op="register", layout={}, handles=[], regions=[{}] * 4097), "too_large",
+     "regions has 4097 entries, the limit is 4096", {"field": "regions", "count": 4097, "limit": 4096}),
+    (dict(op="register", layout={}, handles=[], regions=[], pid=2**31), "bad_request",
+     "pid must be an integer in 0..2147483647", {"field": "pid"}),
+    (dict(op="hello", client="c" * 257), "bad_request", "client must be a string of at most 256 characters",
+     {"field": "client"}),
+]
+
+
+@pytest.mark.parametrize("fields, code, message, details", FIELD_REFUSALS, ids=[m for _, _, m, _ in FIELD_REFUSALS])
+def test_each_field_refusal_says_which_field_and_why(fields: dict[str, Any], code: str, message: str,
+                                                     details: dict[str, Any]) -> None:
+    exc = rejected(frame(**fields))
+    assert (exc.error.code, exc.error.message, exc.error.details) == (code, message, details)
+    assert exc.request_id == 5
+    assert exc.op == fields.get("op", "ping")  # counted under its op in the metrics
+
+
+def test_field_values_at_their_edges_are_accepted() -> None:
+    assert decode_request(frame(op="hello", client="c" * 256)).client == "c" * 256
+    assert decode_request(frame(op="swap_out", keys=["a"], block_ids=[0], partial=True)).partial is True
+    assert decode_request(frame(op="swap_out", keys=["a"], block_ids=[0], partial=False)).partial is False
+    got = decode_request(frame(op="register", layout={"a": 1}, handles=[{}] * 4096, regions=[{}], pid=2**31 - 1))
+    assert (got.layout, len(got.handles), got.pid) == ({"a": 1}, 4096, 2**31 - 1)
+
+
 @pytest.mark.parametrize("name,data,error,request_id", REJECTIONS, ids=[r[0] for r in REJECTIONS])
 def test_peek_id_agrees_with_decode_request(name: str, data: bytes, error: type[KvswapError],
                                             request_id: int | None) -> None:
@@ -520,17 +565,119 @@ def test_decode_inverts_encode(req: Request) -> None:
     assert encode_request(got) == data
 
 
+# -- an independent model of the request schema (docs/protocol.md), the oracle for decoding --
+
+_SPEC_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:=+-]{0,127}")
+
+
+def _spec_uint(value: Any, top: int) -> bool:
+    return type(value) is int and 0 <= value <= top
+
+
+def _spec_keys(value: Any) -> str | None:
+    """The error code a ``keys`` value earns, or None when it is valid."""
+    if type(value) is not list:
+        return "bad_request"
+    if len(value) > 8192:
+        return "too_large"
+    if not all(type(k) is str and _SPEC_KEY.fullmatch(k) for k in value):
+        return "invalid_key"
+    return None
+
+
+def _spec_block_ids(value: Any) -> str | None:
+    if type(value) is not list:
+        return "bad_request"
+    if len(value) > 8192:
+        return "too_large"
+    return None if all(_spec_uint(b, 2**31 - 1) for b in value) else "bad_request"
+
+
+def _spec_maps(value: Any) -> str | None:
+    if type(value) is not list or not all(type(v) is dict for v in value):
+        return "bad_request"
+    return "too_large" if len(value) > 4096 else None
+
+
+def _code(ok: bool) -> str | None:
+    return None if ok else "bad_request"
+
+
+#: op -> field -> (check returning an error code or None, required, default)
+SPEC: dict[str, dict[str, tuple[Any, bool, Any]]] = {
+    "hello": {"client": (lambda v: _code(type(v) is str and len(v) <= 256), False, "")},
+    "ping": {}, "unregister": {}, "clear": {}, "flush": {}, "stats": {},
+    "register": {"layout": (lambda v: _code(type(v) is dict), True, None),
+                 "handles": (_spec_maps, True, None), "regions": (_spec_maps, True, None),
+                 "pid": (lambda v: _code(_spec_uint(v, 2**31 - 1)), False, 0)},
+    "swap_out": {"block_ids": (_spec_block_ids, True, None), "keys": (_spec_keys, True, None),
+                 "wait": (lambda v: _code(v in ("copied", "persisted") and type(v) is str), False, "copied"),
+                 "partial": (lambda v: _code(type(v) is bool), False, False)},
+    "swap_in": {"keys": (_spec_keys, True, None), "block_ids": (_spec_block_ids, True, None)},
+    "lookup": {"keys": (_spec_keys, True, None)},
+    "delete": {"keys": (_spec_keys, True, None)},
+}
+
+
+def spec_outcome(msg: Any) -> tuple[int | None, set[str] | dict[str, Any]]:
+    """What the schema says of an unpacked frame: ``(id, {codes})`` for a refusal (any of the
+    codes may be the one reported when several fields are wrong), or ``(id, fields)`` for a
+    valid request, with every field the request carries (defaults filled in, lists as tuples)."""
+    if type(msg) is not dict:
+        return None, {"bad_request"}
+    rid = msg.get("id")
+    if not _spec_uint(rid, 2**64 - 1):
+        return None, {"bad_request"}
+    if type(msg.get("v")) is not int or msg.get("v") != 1:
+        return rid, {"unsupported_version"}
+    op = msg.get("op")
+    if type(op) is not str or op not in SPEC:
+        return rid, {"unknown_op"}
+    fields = SPEC[op]
+    codes = set()
+    timeout = msg.get("timeout_ms")
+    if timeout is not None and not _spec_uint(timeout, 3_600_000):
+        codes.add("bad_request")
+    if set(msg) - {"v", "id", "op", "timeout_ms"} - set(fields):
+        codes.add("bad_request")
+    out: dict[str, Any] = {"op": op, "id": rid, "timeout_ms": timeout}
+    for name, (check, required, default) in fields.items():
+        if name not in msg:
+            if required:
+                codes.add("bad_request")
+            out[name] = default
+            continue
+        code = check(msg[name])
+        if code is not None:
+            codes.add(code)
+        out[name] = tuple(msg[name]) if type(msg[name]) is list else msg[name]
+    if op in ("swap_out", "swap_in") and not codes and len(msg["keys"]) != len(msg["block_ids"]):
+        codes.add("bad_request")
+    return rid, (codes or out)
+
+
 def _check_decode_outcome(data: bytes) -> None:
+    """Decoding agrees with the schema model: a frame the model calls valid decodes to exactly
+    its fields, and any other is refused with one of the codes the model finds."""
+    try:
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception:
+        rid, want = None, {"bad_request"}
+    else:
+        rid, want = spec_outcome(msg)
     try:
         got = decode_request(data)
     except DecodeError as exc:
-        assert isinstance(exc.error, KvswapError)
-        assert exc.request_id is None or 0 <= exc.request_id <= MAX_REQUEST_ID
+        assert isinstance(want, set), f"a valid request was refused: {exc.error.code} {exc.error.message}"
+        assert exc.error.code in want, (exc.error.code, want)
+        assert exc.request_id == rid
         # Every rejection can be answered.
         assert decode_reply(encode_reply(Reply(exc.request_id, False, error=exc.error))).error.code == exc.error.code
         assert peek_id(data) == exc.request_id
     else:
-        assert isinstance(got, Request)
+        assert isinstance(want, dict), f"accepted a request the schema refuses with {want}: {got}"
+        assert type(got) is REQUEST_TYPES[want["op"]]
+        assert {f: getattr(got, f) for f in want if f != "op"} == {f: v for f, v in want.items() if f != "op"}
         assert peek_id(data) == got.id
         assert decode_request(encode_request(got)) == got
 
@@ -563,4 +710,35 @@ PLAUSIBLE = st.one_of(
 @given(st.dictionaries(FIELD_NAMES, PLAUSIBLE, max_size=7))
 def test_near_miss_maps_decode_or_raise_decode_error(msg: dict[str, Any]) -> None:
     # Random bytes rarely get past the msgpack layer; near-miss maps exercise the field checks.
+    _check_decode_outcome(pack(msg))
+
+
+@st.composite
+def one_edit_from_valid(draw: st.DrawFn) -> dict[str, Any]:
+    """A valid request's map with one field changed, added or removed: half of these stay
+    valid (the model says which), so both of the oracle's branches are exercised."""
+    msg = msgpack.unpackb(encode_request(draw(valid_requests())), raw=False)
+    name = draw(FIELD_NAMES)
+    action = draw(st.sampled_from(["set", "delete", "key"]))
+    if action == "delete":
+        msg.pop(name, None)
+    elif action == "key" and msg.get("keys"):
+        i = draw(st.integers(0, len(msg["keys"]) - 1))
+        msg["keys"][i] = draw(st.sampled_from(["a/b", "/", ".x", "-x", "a b", "é", "x" * 129, "", "ok.key", 7]))
+    else:
+        msg[name] = draw(PLAUSIBLE | KEYS | st.lists(KEYS, max_size=3))
+    return msg
+
+
+@settings(FAST, max_examples=600)
+@given(one_edit_from_valid())
+def test_one_edit_from_a_valid_request_decodes_as_the_schema_says(msg: dict[str, Any]) -> None:
+    _check_decode_outcome(pack(msg))
+
+
+def test_the_schema_model_refuses_a_key_with_a_slash() -> None:
+    """The oracle itself: a key with ``/`` is refused (the old oracle accepted any decode)."""
+    msg = {"v": 1, "id": 1, "op": "lookup", "keys": ["a/b"]}
+    assert spec_outcome(msg) == (1, {"invalid_key"})
+    assert spec_outcome({**msg, "keys": ["a.b"]})[1] == {"op": "lookup", "id": 1, "timeout_ms": None, "keys": ("a.b",)}
     _check_decode_outcome(pack(msg))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 import xxhash
 from hypothesis import given, settings
@@ -118,12 +119,22 @@ def test_round_trip(key, namespace, payload):
 
 
 @settings(max_examples=20, deadline=None)
-@given(key=keys, size=st.integers(min_value=65536 - 8, max_value=65536 + 8), fill=st.integers(0, 255))
-def test_round_trip_around_the_alignment_threshold(key, size, fill):
-    payload = bytes([fill]) * size
-    data = encode_record(NS, key, payload)
-    assert len(data) - size == (4096 if size >= 65536 else 256)
-    assert bytes(decode_record(data, NS, key)) == payload
+@given(key=keys, size=st.integers(min_value=65536 - 8, max_value=65536 + 8), seed=st.integers(0, 2**32 - 1),
+       data=st.data())
+def test_round_trip_around_the_alignment_threshold(key, size, seed, data):
+    """Random bytes (not a constant, which would hide a payload read from the wrong offset)
+    either side of the 64 KiB header switch; any payload byte flipped is then corrupt."""
+    payload = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+    encoded = encode_record(NS, key, payload)
+    header_len = 4096 if size >= 65536 else 256
+    assert len(encoded) - size == header_len
+    assert encoded[header_len:] == payload
+    assert bytes(decode_record(encoded, NS, key)) == payload
+    flip = data.draw(st.integers(0, size - 1), label="flip")
+    damaged = bytearray(encoded)
+    damaged[header_len + flip] ^= 0x01
+    with pytest.raises(Corrupt):
+        decode_record(bytes(damaged), NS, key)
 
 
 # -- damage is Corrupt ----------------------------------------------------------------------
@@ -223,20 +234,66 @@ def test_crafted_valid_header_decodes():
     assert (h.namespace, h.key, h.payload_len, h.checksum, h.created_ns, h.header_len) == (NS, KEY, 8, 5, 9, 256)
 
 
-@pytest.mark.parametrize("fields, message", [
-    (dict(magic=b"KVSX"), "magic"),
-    (dict(version=2), "version"),
-    (dict(version=0), "version"),
-    (dict(flags=2), "checksum algorithm"),
-    (dict(flags=0), "checksum algorithm"),
-    (dict(header_len=4096, payload_len=8), "lengths"),  # small payload, big header
-    (dict(header_len=256, payload_len=65536), "lengths"),  # big payload, small header
-    (dict(key_len=129), "lengths"),
-    (dict(key_raw=b"\xff\xfe"), "utf-8"),
+@pytest.mark.parametrize("fields, message, details", [
+    (dict(magic=b"KVSX"), "bad magic", {}),
+    (dict(version=2), "unknown record format version", {"version": 2}),
+    (dict(version=0), "unknown record format version", {"version": 0}),
+    (dict(flags=2), "unknown checksum algorithm", {"flags": 2}),
+    (dict(flags=0), "unknown checksum algorithm", {"flags": 0}),
+    (dict(header_len=4096, payload_len=8), "inconsistent header lengths", {}),  # small payload, big header
+    (dict(header_len=256, payload_len=65536), "inconsistent header lengths", {}),  # big payload, small header
+    (dict(key_len=129), "inconsistent header lengths", {}),
+    (dict(key_raw=b"\xff\xfe"), "key is not utf-8", {}),
 ])
-def test_each_header_field_is_checked(fields, message):
-    with pytest.raises(Corrupt, match=message):
+def test_each_header_field_is_checked(fields, message, details):
+    """The exact reason and its details: ``kvswap verify`` and the daemon's log show them."""
+    with pytest.raises(Corrupt) as info:
         decode_header(craft_header(**fields))
+    assert (info.value.message, info.value.details) == (message, details)
+
+
+def test_a_key_of_the_longest_length_round_trips():
+    key = "k" * 128
+    assert decode_header(craft_header(key_raw=key.encode())).key == key
+    assert bytes(decode_record(encode_record(NS, key, b"x"), NS, key)) == b"x"
+
+
+def test_the_header_core_alone_decodes():
+    """The 196 core bytes are the whole header as far as decoding goes (the zero padding
+    after them is not read)."""
+    core = encode_header(NS, KEY, 8, 5, created_ns=9)[:HEADER_CORE_BYTES]
+    assert decode_header(core).payload_len == 8
+    with pytest.raises(Corrupt) as info:
+        decode_header(core[:-1])
+    assert (info.value.message, info.value.details) == ("record shorter than its header", {"size": 195})
+
+
+def test_damage_is_named_exactly():
+    data = bytearray(encode_record(NS, KEY, b"payload"))
+    data[100] ^= 1
+    with pytest.raises(Corrupt) as info:
+        decode_header(bytes(data))
+    assert info.value.message == "header checksum mismatch"
+    h = decode_header(encode_header(NS, KEY, 7, record.payload_checksum(b"payload")))
+    reasons = []
+    for args in ((OTHER_NS, KEY, b"payload"), (NS, "other", b"payload"), (NS, KEY, b"payloa"),
+                 (NS, KEY, b"Payload")):
+        with pytest.raises(Corrupt) as info:
+            verify(h, *args)
+        reasons.append((info.value.message, info.value.details))
+    assert reasons == [("record belongs to another namespace", {}),
+                       ("record holds another key", {"stored_key": KEY}),
+                       ("payload length mismatch", {"expected": 7, "got": 6}),
+                       ("payload checksum mismatch", {})]
+
+
+def test_encode_header_says_what_is_wrong():
+    with pytest.raises(ValueError) as info:
+        encode_header(NS, "k" * 129, 1, 0)
+    assert str(info.value) == "key too long for a record header"
+    with pytest.raises(ValueError) as info:
+        encode_header(NS[:15], KEY, 1, 0)
+    assert str(info.value) == "namespace must be 16 bytes"
 
 
 def test_verify_checks_payload_against_header():
