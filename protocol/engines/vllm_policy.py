@@ -6,19 +6,23 @@ times every load (``swap_in`` of ``n`` blocks) and every forward step (``t`` tok
 the scheduler feeds those samples here and asks :meth:`LoadPolicy.decide` before it claims an
 external hit.
 
-Two straight lines, each refitted after every sample by least squares with exponential
-forgetting (older samples weigh ``decay`` less per new one), so the estimate follows the
-machine as it changes (another tenant on the cores, the daemon's RAM tier filling and reads
-going to disk):
+Both estimates are refitted after every sample with exponential forgetting (older samples
+weigh ``decay`` less per new one), so they follow the machine as it changes (another tenant on
+the cores, the daemon's RAM tier filling and reads going to disk):
 
-- load seconds    ~= load_fixed + load_per_block * blocks   (a round trip, then bytes)
-- forward seconds ~= step_fixed + per_token * tokens         (a step, then work per token)
+- load seconds ~= load_fixed + load_per_block * blocks: a least-squares line (a round trip,
+  then bytes);
+- recompute seconds per token = forward seconds / tokens, summed over the steps that computed
+  at least one block of tokens. Decode steps (one token each) are left out: they are mostly
+  the step's fixed cost, which a few hundred of them would otherwise spread over too few
+  tokens (seen on a shared 2-core machine: decode steps from 1.5 to 250 ms left a
+  least-squares slope of zero).
 
 A load of ``b`` blocks replaces ``b * block_size`` recomputed tokens, so it pays when
-``load_fixed + load_per_block * b < per_token * b * block_size``. The step's own fixed cost is
-left out: the step runs either way. The per-token cost is an average over the prompts seen;
-attention makes long contexts cost more per token, so for long prompts the estimate errs
-toward recomputing.
+``load_fixed + load_per_block * b < per_token * b * block_size``. The per-token cost includes
+each prefill step's fixed part (small against a prefill) and averages over the prompts seen;
+attention makes long contexts cost more per token than the average, so for long prompts the
+estimate errs toward recomputing.
 
 Until both lines have ``MIN_SAMPLES`` the policy says yes (it cannot learn what a load costs
 without loading). After that, one refused candidate in ``explore_every`` is loaded anyway, so
@@ -78,6 +82,28 @@ class DecayingLine:
         return intercept + slope * x
 
 
+class DecayingRatio:
+    """``sum(y) / sum(x)`` with older samples weighing ``decay`` less per newer one.
+
+    Worked example: samples (100, 0.2), (300, 0.4) with ``decay=1`` give 0.6 / 400 = 0.0015.
+    """
+
+    def __init__(self, decay: float = 0.97) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ValueError("decay must be in (0, 1]")
+        self.decay = decay
+        self.count = 0
+        self._x = self._y = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        self._x = self._x * self.decay + x
+        self._y = self._y * self.decay + y
+        self.count += 1
+
+    def value(self) -> float:
+        return self._y / self._x if self._x > 0 else 0.0
+
+
 @dataclass
 class Decision:
     load: bool
@@ -98,7 +124,7 @@ class LoadPolicy:
         self.mode = mode
         self.explore_every = explore_every
         self.load = DecayingLine(decay)
-        self.forward = DecayingLine(decay)
+        self.recompute = DecayingRatio(decay)
         self.refused = 0
         self.explored = 0
 
@@ -107,17 +133,18 @@ class LoadPolicy:
             self.load.add(blocks, seconds)
 
     def observe_forward(self, tokens: int, seconds: float) -> None:
-        if tokens > 0 and seconds >= 0.0:
-            self.forward.add(tokens, seconds)
+        """One forward step; only prefill steps (at least a block of tokens) count."""
+        if tokens >= self.block_size and seconds >= 0.0:
+            self.recompute.add(tokens, seconds)
 
     def decide(self, blocks: int) -> Decision:
         """Whether loading ``blocks`` blocks beats recomputing their tokens."""
         if self.mode == "always":
             return Decision(True, "always")
-        if self.load.count < MIN_SAMPLES or self.forward.count < MIN_SAMPLES:
+        if self.load.count < MIN_SAMPLES or self.recompute.count < MIN_SAMPLES:
             return Decision(True, "learning")
         load_s = self.load.predict(blocks)
-        recompute_s = self.forward.fit()[1] * blocks * self.block_size
+        recompute_s = self.recompute.value() * blocks * self.block_size
         if load_s < recompute_s:
             return Decision(True, "faster", load_s, recompute_s)
         self.refused += 1
@@ -128,7 +155,6 @@ class LoadPolicy:
 
     def describe(self) -> dict[str, float | int | str]:
         load_fixed, load_per_block = self.load.fit()
-        _, per_token = self.forward.fit()
         return {"mode": self.mode, "load_fixed_s": load_fixed, "load_per_block_s": load_per_block,
-                "recompute_per_token_s": per_token, "load_samples": self.load.count,
-                "forward_samples": self.forward.count, "refused": self.refused, "explored": self.explored}
+                "recompute_per_token_s": self.recompute.value(), "load_samples": self.load.count,
+                "forward_samples": self.recompute.count, "refused": self.refused, "explored": self.explored}
