@@ -27,7 +27,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 MARK = "@@kvswap "
 

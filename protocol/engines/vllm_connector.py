@@ -32,12 +32,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
-import torch  # noqa: F401  (vLLM's base class module needs it anyway)
+import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -46,9 +45,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ..client import DEFAULT_ENDPOINT, Client
+from ..client import Client
 from ..errors import InvalidLayout, KvswapError, NotRegistered
 from .vllm_memory import CacheFacts, SharedKVAllocation, build_registration
+from .vllm_plan import (
+    Backoff,
+    blocks_to_save,
+    keys_for,
+    loadable_blocks,
+    resolve_endpoints,
+)
 from .vllm_policy import LoadPolicy
 from .vllm_stats import ConnectorStats
 
@@ -62,45 +68,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvswap.vllm")
-
-
-def resolve_endpoints(extra: dict[str, Any], environ: dict[str, str] | os._Environ = os.environ) -> list[str]:
-    """Endpoints in rank order: extra config ``endpoint`` (a string or a list), else
-    ``KVSWAP_ENDPOINTS`` (comma-separated), else the default port."""
-    given = extra.get("endpoint")
-    if isinstance(given, str) and given:
-        return [e.strip() for e in given.split(",") if e.strip()]
-    if isinstance(given, (list, tuple)) and given:
-        return [str(e) for e in given]
-    listed = [e.strip() for e in environ.get("KVSWAP_ENDPOINTS", "").split(",") if e.strip()]
-    return listed or [DEFAULT_ENDPOINT]
-
-
-def keys_for(block_hashes: Sequence[bytes], per_block: int) -> list[str]:
-    """One key per engine block: the chained hash at the block's last hash boundary (it covers
-    every token before it), as hex. ``per_block`` = block size / hash block size.
-
-    >>> keys_for([b"\\x01", b"\\x02", b"\\x03", b"\\x04"], 2)
-    ['02', '04']
-    """
-    return [bytes(h).hex() for h in block_hashes[per_block - 1::per_block]]
-
-
-class Backoff:
-    """After a call fails with a retryable error (daemon down, busy, too slow), calls are
-    skipped for ``retry_s``: a dead daemon costs one failed call, not one per request."""
-
-    def __init__(self, retry_s: float) -> None:
-        self.retry_s = retry_s
-        self._until = 0.0
-
-    @property
-    def open(self) -> bool:
-        return time.monotonic() >= self._until
-
-    def failed(self, exc: KvswapError) -> None:
-        if exc.retryable:
-            self._until = time.monotonic() + self.retry_s
 
 
 # -- what the scheduler tells the worker, and back ------------------------------------------------
@@ -146,8 +113,8 @@ class KvswapConnector(KVConnectorBase_V1):
 
     _cache_hit_source = CacheHitSource.HOST
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         if role == KVConnectorRole.SCHEDULER:
@@ -164,14 +131,14 @@ class KvswapConnector(KVConnectorBase_V1):
         if self.worker:
             self.worker.begin_step()
 
-    def get_mem_pool_context(self):  # noqa: ANN201
+    def get_mem_pool_context(self):
         return self.worker.memory_context() if self.worker else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.worker:
             self.worker.register(kv_caches)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self.worker:
             self.worker.start_step(self._get_connector_metadata())
 
@@ -193,23 +160,23 @@ class KvswapConnector(KVConnectorBase_V1):
 
     # -- scheduler side ----------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         return self.scheduler.matched_tokens(request, num_computed_tokens), False
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
         self.scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         return self.scheduler.build_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self.scheduler is not None and isinstance(connector_output.kv_connector_worker_meta, KvswapWorkerMetadata):
             self.scheduler.take_report(connector_output.kv_connector_worker_meta)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is not None:
             self.scheduler.finished(request.request_id)
         return False, None  # saves complete ("copied") within their step: free the blocks now
@@ -235,7 +202,7 @@ class _Tracked:
 
 
 class SchedulerSide:
-    def __init__(self, vllm_config: "VllmConfig", extra: dict[str, Any]) -> None:
+    def __init__(self, vllm_config: VllmConfig, extra: dict[str, Any]) -> None:
         cache = vllm_config.cache_config
         self.block_size = cache.block_size
         hash_block_size = getattr(cache, "hash_block_size", None) or self.block_size
@@ -262,8 +229,7 @@ class SchedulerSide:
     def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
         self._pending.pop(request.request_id, None)
         keys = self._keys(request)
-        # The last token is always computed (it yields the next token's logits).
-        usable = min(len(keys), (request.num_tokens - 1) // self.block_size)
+        usable = loadable_blocks(len(keys), request.num_tokens, self.block_size)
         first = num_computed_tokens // self.block_size
         if first >= usable:
             return 0
@@ -305,7 +271,7 @@ class SchedulerSide:
         self._loads.append(Transfer(request.request_id, keys, list(block_ids[first:first + count])))
         tracked.saved = max(tracked.saved, first + count)
 
-    def build_meta(self, out: "SchedulerOutput") -> KvswapMetadata:
+    def build_meta(self, out: SchedulerOutput) -> KvswapMetadata:
         meta = KvswapMetadata(loads=self._loads, step_tokens=out.total_num_scheduled_tokens)
         self._loads = []
         for new in out.scheduled_new_reqs:
@@ -332,11 +298,11 @@ class SchedulerSide:
     def _plan_save(self, meta: KvswapMetadata, tracked: _Tracked, computed_after: int) -> None:
         """Save the blocks this step fills, once the forward has computed them."""
         keys = self._keys(tracked.request)
-        full = min(computed_after // self.block_size, len(keys), len(tracked.block_ids))
-        if full > tracked.saved:
-            meta.saves.append(Transfer(tracked.request.request_id, keys[tracked.saved:full],
-                                       tracked.block_ids[tracked.saved:full]))
-            tracked.saved = full
+        todo = blocks_to_save(tracked.saved, computed_after, self.block_size, len(keys), len(tracked.block_ids))
+        if todo:
+            meta.saves.append(Transfer(tracked.request.request_id, keys[todo.start:todo.stop],
+                                       tracked.block_ids[todo.start:todo.stop]))
+            tracked.saved = todo.stop
 
     def take_report(self, report: KvswapWorkerMetadata) -> None:
         for blocks, seconds in report.load_samples:
@@ -361,7 +327,7 @@ class SchedulerSide:
 
 
 class WorkerSide:
-    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: Any, extra: dict[str, Any]) -> None:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: Any, extra: dict[str, Any]) -> None:
         self.config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.timeout = float(extra.get("timeout_s", 5.0))

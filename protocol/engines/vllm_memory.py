@@ -48,7 +48,7 @@ class SharedKVAllocation:
         self.tensor: Any = None
         self._mode: Any = None
 
-    def __enter__(self) -> "SharedKVAllocation":
+    def __enter__(self) -> SharedKVAllocation:
         self._mode = _allocation_mode(self)
         self._mode.__enter__()
         return self
@@ -86,7 +86,7 @@ def _allocation_mode(owner: SharedKVAllocation) -> Any:
     from torch.overrides import TorchFunctionMode
 
     class _PlaceInSharedMemory(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func is torch.zeros and owner.tensor is None:
                 nbytes = _flat_int8_size(args, kwargs)
