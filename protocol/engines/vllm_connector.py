@@ -99,13 +99,16 @@ class KvswapWorkerMetadata(KVConnectorWorkerMetadata):
     failed_blocks: int = 0
     saved_blocks: int = 0
     save_failures: int = 0
+    #: Time the steps spent in swap_out (waiting for "copied").
+    save_s: float = 0.0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvswapWorkerMetadata)
         return KvswapWorkerMetadata(
             self.load_samples + other.load_samples, self.forward_samples + other.forward_samples,
             self.loaded_blocks + other.loaded_blocks, self.failed_blocks + other.failed_blocks,
-            self.saved_blocks + other.saved_blocks, self.save_failures + other.save_failures)
+            self.saved_blocks + other.saved_blocks, self.save_failures + other.save_failures,
+            self.save_s + other.save_s)
 
 
 class KvswapConnector(KVConnectorBase_V1):
@@ -448,6 +451,7 @@ class WorkerSide:
         if not self.usable or not meta.saves:
             return
         assert self.client is not None
+        started = time.perf_counter()
         try:
             for save in meta.saves:
                 self._save(save)
@@ -455,6 +459,7 @@ class WorkerSide:
             # Nothing to undo: the blocks are simply not offloaded.
             log.warning("kvswap connector: save failed (%s)", exc)
             self._report.save_failures += 1
+        self._report.save_s += time.perf_counter() - started
 
     def _save(self, save: Transfer) -> None:
         assert self.client is not None

@@ -54,6 +54,9 @@ class ConnectorStats:
         self.counts["tokens_load_failed"] += report.failed_blocks * block_size
         self.counts["blocks_saved"] += report.saved_blocks
         self.counts["save_failures"] += report.save_failures
+        self.counts["save_ms"] += round(report.save_s * 1e3)
+        self.counts["load_calls"] += len(report.load_samples)
+        self.counts["load_ms"] += round(sum(s for _, s in report.load_samples) * 1e3)
 
     def summary(self, policy: Any) -> dict[str, Any]:
         ordered = sorted(self.lookup_s)
