@@ -181,4 +181,7 @@ def test_daemon_killed_between_lookup_and_load_recomputes(engine, kvswapd):
     stats = json.loads(engine.stats_path.read_text())
     assert stats["counts"]["tokens_load_failed"] >= STORED
     assert stats["counts"]["tokens_loaded"] >= STORED  # the first test's load
+    # Both prompts' blocks were saved, and their replies collected during the run (at the
+    # start of each next step), not only at shutdown.
+    assert stats["counts"]["blocks_saved"] >= 2 * STORED // BLOCK
     print(f"\n[vllm] connector stats: {json.dumps(stats)}")

@@ -12,8 +12,10 @@ block the step completes.
 
 Worker side (:class:`WorkerSide`): the KV cache is allocated in shared memory
 (:mod:`.vllm_memory`) and registered without a copy; loads run before the forward
-(``swap_in``), saves after it (``swap_out(wait="copied")``: the blocks may be reused when it
-returns, the write to storage continues in the daemon). A load that does not fully land
+(``swap_in``), saves are sent after it (``swap_out(wait="copied")``) and their replies
+collected at the start of the next step, before vLLM zeroes or reuses a block
+(``handle_preemptions``): the copy overlaps the step's output and the next schedule, and the
+write to storage continues in the daemon. A load that does not fully land
 reports its blocks through ``get_block_ids_with_load_errors``, so vLLM (with
 ``kv_load_failure_policy="recompute"``) recomputes them instead of attending to garbage.
 Any kvswap error is a miss or a skipped save: the engine never fails a request for it.
@@ -47,6 +49,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..client import Client
 from ..errors import InvalidLayout, KvswapError, NotRegistered
+from ..messages import SwapOut
 from .vllm_memory import CacheFacts, SharedKVAllocation, build_registration
 from .vllm_plan import (
     Backoff,
@@ -134,6 +137,12 @@ class KvswapConnector(KVConnectorBase_V1):
         if self.worker:
             self.worker.begin_step()
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM calls this at the start of every step, before it zeroes new blocks or frees
+        # preempted ones: the last step's saves must be copied by then.
+        if self.worker:
+            self.worker.settle()
+
     def get_mem_pool_context(self):
         return self.worker.memory_context() if self.worker else None
 
@@ -182,7 +191,9 @@ class KvswapConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is not None:
             self.scheduler.finished(request.request_id)
-        return False, None  # saves complete ("copied") within their step: free the blocks now
+        # Saves are copied before the next step touches any block (WorkerSide.settle), so the
+        # blocks may be freed now.
+        return False, None
 
     def shutdown(self) -> None:
         if self.scheduler is not None:
@@ -346,6 +357,7 @@ class WorkerSide:
         self.registered = False
         self.backoff = Backoff(float(extra.get("retry_s", 5.0)))
         self._errors: set[int] = set()
+        self._inflight: list[int] = []  # ids of swap_out requests sent, replies not collected
         self._report = KvswapWorkerMetadata()
         self._forward_started: float | None = None
         if self.endpoint is None:
@@ -444,7 +456,10 @@ class WorkerSide:
         self._errors.update(failed)
 
     def end_step(self, meta: KvswapMetadata) -> None:
-        """After the forward: time it, then hand the blocks it completed to kvswapd."""
+        """After the forward: time it, then send the blocks it completed to kvswapd without
+        waiting. The replies ("copied") are collected by :meth:`settle` at the start of the
+        next step, before vLLM zeroes or reuses any block; until then the step's output goes
+        back to the user, so a save's copy is not on the path to the first token."""
         if self._forward_started is not None and meta.step_tokens:
             self._report.forward_samples.append((meta.step_tokens, time.perf_counter() - self._forward_started))
         self._forward_started = None
@@ -453,22 +468,42 @@ class WorkerSide:
         assert self.client is not None
         started = time.perf_counter()
         try:
+            if not self.registered:
+                self._register()
             for save in meta.saves:
-                self._save(save)
+                step = max(1, self.write_slots or len(save.keys))
+                for i in range(0, len(save.keys), step):
+                    body = {"block_ids": tuple(save.block_ids[i:i + step]), "keys": tuple(save.keys[i:i + step]),
+                            "wait": "copied", "partial": True}
+                    self._inflight.append(self.client.send(SwapOut, body, timeout=self.timeout))
         except KvswapError as exc:
             # Nothing to undo: the blocks are simply not offloaded.
+            self.backoff.failed(exc)
             log.warning("kvswap connector: save failed (%s)", exc)
             self._report.save_failures += 1
         self._report.save_s += time.perf_counter() - started
 
-    def _save(self, save: Transfer) -> None:
+    def settle(self) -> None:
+        """Wait for every save sent so far to be copied (vLLM calls ``handle_preemptions``
+        at the start of each step, before it zeroes new blocks or frees preempted ones)."""
+        if not self._inflight:
+            return
         assert self.client is not None
-        step = max(1, self.write_slots or len(save.keys))
-        for i in range(0, len(save.keys), step):
-            out = self._call(self.client.swap_out, save.block_ids[i:i + step], save.keys[i:i + step],
-                             wait="copied", partial=True)
-            self._report.saved_blocks += out.queued + out.exists
-            self._report.save_failures += out.failed
+        started = time.perf_counter()
+        inflight, self._inflight = self._inflight, []
+        for request_id in inflight:
+            try:
+                out = self.client.wait(request_id, timeout=self.timeout)
+            except NotRegistered:
+                self.registered = False  # the daemon restarted: these blocks are not offloaded
+                self._report.save_failures += 1
+            except KvswapError as exc:
+                self.backoff.failed(exc)
+                self._report.save_failures += 1
+            else:
+                self._report.saved_blocks += out["queued"] + out["exists"]
+                self._report.save_failures += out["failed"]
+        self._report.save_s += time.perf_counter() - started
 
     def take_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
@@ -480,6 +515,7 @@ class WorkerSide:
 
     def close(self) -> None:
         if self.client is not None:
+            self.settle()
             try:
                 self.client.unregister()
             except KvswapError:
