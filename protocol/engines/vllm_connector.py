@@ -70,7 +70,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger("kvswap.vllm")
+#: Under vLLM's logger, so these lines land in the engine's log with its own.
+log = logging.getLogger("vllm.kvswap")
 
 
 # -- what the scheduler tells the worker, and back ------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,8 @@ from ..errors import InvalidLayout
 from ..layout import CacheLayout
 from ..shm import SharedSegment
 
-log = logging.getLogger(__name__)
+#: Under vLLM's logger, so these lines land in the engine's log with its own.
+log = logging.getLogger("vllm.kvswap")
 
 #: Below this a CPU ``zeros`` is not the KV cache (vLLM makes small bookkeeping tensors in the
 #: same context); the cache is at least a few blocks of every layer.
@@ -65,6 +67,9 @@ class SharedKVAllocation:
         # frombuffer keeps the memoryview (and so the mapping) alive as long as the tensor.
         tensor = torch.frombuffer(segment.buffer, dtype=torch.int8, count=nbytes)
         self.segment, self.tensor = segment, tensor
+        # The name goes at the latest when the engine process exits normally (a killed engine
+        # leaves it in /dev/shm: docs/integration.md).
+        weakref.finalize(self, segment.unlink)
         log.info("KV cache placed in shared memory %s (%d bytes)", segment.name, nbytes)
         return tensor
 
