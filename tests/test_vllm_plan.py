@@ -171,3 +171,22 @@ def test_percentile_nearest_rank() -> None:
     assert percentile(values, 50) == 50.0 and percentile(values, 99) == 99.0
     assert percentile([], 50) == 0.0
     assert not math.isnan(percentile([3.0], 99))
+
+
+def test_stats_file_is_private_json_with_lookup_percentiles(tmp_path) -> None:
+    from kvswap.protocol.engines.vllm_stats import ConnectorStats
+
+    path = tmp_path / "stats.json"
+    stats = ConnectorStats(str(path))
+    for ms in range(1, 101):
+        stats.lookup(ms / 1000, keys=4, hits=2)
+    stats.decision("slower", 64)
+    stats.error("lookup", Timeout("slow"))
+    stats.write(LoadPolicy(32))
+    assert path.stat().st_mode & 0o777 == 0o600
+    summary = __import__("json").loads(path.read_text())
+    assert summary["lookup_ms"]["n"] == 100
+    assert summary["lookup_ms"]["p50"] == pytest.approx(50.0) and summary["lookup_ms"]["p99"] == pytest.approx(99.0)
+    assert summary["counts"]["lookup_keys"] == 400 and summary["counts"]["tokens_refused"] == 64
+    assert summary["errors"] == {"lookup:timeout": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["stats.json"]  # no temporary file left
