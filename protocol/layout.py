@@ -7,6 +7,12 @@ per-layer fp8 scale tensor). In FastDeploy's layout each tensor is
 contiguous run of ``num_kv_heads * block_size * head_dim * itemsize`` bytes and consecutive
 blocks sit ``block_bytes`` apart. A stored *record* is the chunks of one block from every
 region, concatenated in region order (layer-major: ``k.0, v.0, [ks.0, vs.0,] k.1, ...``).
+
+``packed_kv`` describes caches that keep K and V of a layer in one tensor with both inside
+each block (vLLM's CPU cache: ``[num_blocks, num_kv_heads, 2 * block_size, head_dim]`` per
+layer, or any shape where one block of one layer is a single contiguous run of K and V). Such
+a cache has one region per layer, ``kv.<layer>``, of ``2 * cache_block_bytes``: the record
+holds each block's bytes as the engine laid them out.
 """
 
 from __future__ import annotations
@@ -72,6 +78,9 @@ class CacheLayout:
     #: Cache layers beyond the model's own (speculative-decoding draft or MTP layers). They
     #: are stored like any other layer; counting them apart keeps the fingerprint honest.
     num_extra_layers: int = 0
+    #: K and V of a layer packed in one tensor, both inside each block: one ``kv.<layer>``
+    #: region per layer instead of ``k.<layer>`` and ``v.<layer>`` (see the module docstring).
+    packed_kv: bool = False
     regions: tuple[Region, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -141,6 +150,8 @@ class CacheLayout:
     def to_wire(self) -> dict[str, Any]:
         wire = asdict(self)
         wire.pop("regions", None)
+        if not self.packed_kv:  # a daemon from before packed layouts still accepts the rest
+            wire.pop("packed_kv")
         return wire
 
     @classmethod
@@ -178,9 +189,15 @@ class CacheLayout:
             raise InvalidLayout(f"scale_dtype must be one of {sorted(DTYPE_SIZES)}", field="scale_dtype")
         if not isinstance(self.has_values, bool):
             raise InvalidLayout("has_values must be a boolean", field="has_values")
+        if not isinstance(self.packed_kv, bool):
+            raise InvalidLayout("packed_kv must be a boolean", field="packed_kv")
+        if self.packed_kv and (not self.has_values or self.has_scales):
+            # A packed block holds exactly K then V; keys-only (MLA) and fp8 scale tensors
+            # have their own regions, which a packed layout does not describe.
+            raise InvalidLayout("packed_kv needs has_values and a dtype without scale tensors", field="packed_kv")
         # Checked before the regions are built: a registration naming a billion layers would
         # otherwise spend minutes and gigabytes building them on the daemon's copy thread.
-        count = self.total_layers * (2 if self.has_values else 1) * (2 if self.has_scales else 1)
+        count = self.total_layers * (1 if self.packed_kv else (2 if self.has_values else 1) * (2 if self.has_scales else 1))
         if count > MAX_REGIONS:
             raise InvalidLayout(f"the layout has {count} regions, the limit is {MAX_REGIONS}",
                                 regions=count, limit=MAX_REGIONS)
@@ -188,6 +205,9 @@ class CacheLayout:
     def _build_regions(self) -> list[Region]:
         names: list[tuple[str, int]] = []
         for layer in range(self.total_layers):
+            if self.packed_kv:
+                names.append((f"kv.{layer}", 2 * self.cache_block_bytes))
+                continue
             names.append((f"k.{layer}", self.cache_block_bytes))
             if self.has_values:
                 names.append((f"v.{layer}", self.cache_block_bytes))

@@ -1,0 +1,77 @@
+"""The vLLM connector's plain-Python parts: which daemon, which keys, when to try again.
+No vLLM or torch here, so the suite tests them without an engine."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..client import DEFAULT_ENDPOINT
+from ..errors import KvswapError
+
+
+def resolve_endpoints(extra: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> list[str]:
+    """Daemon endpoints in rank order: extra config ``endpoint`` (a string, comma-separated,
+    or a list), else ``KVSWAP_ENDPOINTS`` as ``kvswap launch`` sets it, else the default port.
+
+    >>> resolve_endpoints({}, {"KVSWAP_ENDPOINTS": "tcp://h:1, tcp://h:2"})
+    ['tcp://h:1', 'tcp://h:2']
+    """
+    given = extra.get("endpoint")
+    if isinstance(given, str) and given.strip():
+        return [e.strip() for e in given.split(",") if e.strip()]
+    if isinstance(given, (list, tuple)) and given:
+        return [str(e) for e in given]
+    listed = [e.strip() for e in environ.get("KVSWAP_ENDPOINTS", "").split(",") if e.strip()]
+    return listed or [DEFAULT_ENDPOINT]
+
+
+def keys_for(block_hashes: Sequence[bytes], per_block: int) -> list[str]:
+    """One key per engine block: the chained hash at the block's last hash boundary (it covers
+    every token before it), in hex. ``per_block`` = block size / hash block size.
+
+    >>> keys_for([b"\\x01", b"\\x02", b"\\x03", b"\\x04", b"\\x05"], 2)
+    ['02', '04']
+    """
+    return [bytes(h).hex() for h in block_hashes[per_block - 1::per_block]]
+
+
+def loadable_blocks(num_keys: int, num_tokens: int, block_size: int) -> int:
+    """Leading blocks a load may fill: full blocks only, and never the prompt's last token,
+    which the engine computes to get the next token's logits.
+
+    >>> loadable_blocks(10, 64, 32), loadable_blocks(10, 65, 32), loadable_blocks(1, 65, 32)
+    (1, 2, 1)
+    """
+    return max(0, min(num_keys, (num_tokens - 1) // block_size))
+
+
+def blocks_to_save(saved: int, computed_after: int, block_size: int, num_keys: int, num_block_ids: int) -> range:
+    """Indices of the blocks a step completes, past the ``saved`` leading ones already stored:
+    full blocks that are computed once the step ran and that have a key and a block id.
+
+    >>> blocks_to_save(2, 130, 32, 10, 10)
+    range(2, 4)
+    """
+    full = min(computed_after // block_size, num_keys, num_block_ids)
+    return range(saved, max(saved, full))
+
+
+class Backoff:
+    """After a call fails with a retryable error (daemon down, busy, too slow), calls are
+    skipped for ``retry_s``: a dead daemon costs one failed call, not one per request."""
+
+    def __init__(self, retry_s: float, clock: Any = time.monotonic) -> None:
+        self.retry_s = retry_s
+        self._clock = clock
+        self._until = 0.0
+
+    @property
+    def open(self) -> bool:
+        return self._clock() >= self._until
+
+    def failed(self, exc: KvswapError) -> None:
+        if exc.retryable:
+            self._until = self._clock() + self.retry_s

