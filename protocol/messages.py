@@ -269,7 +269,9 @@ PEEK_ENTRIES: Final = 8
 
 
 #: msgpack's words for a string or container past a limit: "70000 exceeds max_map_len(64)".
-_OVER_LIMIT: Final = re.compile(r"(\d+) exceeds max_(str|bin|array|map|ext)_len")
+#: An extension value (max_ext_len is 0) is not past a limit: the schema has no extension types at
+#: all, so such a frame is malformed (``bad_request``), not too large.
+_OVER_LIMIT: Final = re.compile(r"(\d+) exceeds max_(str|bin|array|map)_len")
 
 
 class _ItemBudget:

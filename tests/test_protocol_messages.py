@@ -619,10 +619,36 @@ SPEC: dict[str, dict[str, tuple[Any, bool, Any]]] = {
 }
 
 
+def _spec_past_shape_limits(msg: Any) -> bool:
+    """The shape limits of docs/protocol.md, walked independently of the decoder: a string or
+    bytes over 1,024 bytes, a map of over 64 entries, a list of over 16,384 items, or over
+    65,536 entries (each container counting one more) in the whole frame."""
+    items = 0
+    stack = [msg]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, str) and len(obj.encode()) > 1024 or isinstance(obj, bytes) and len(obj) > 1024:
+            return True
+        if isinstance(obj, dict):
+            if len(obj) > 64:
+                return True
+            items += len(obj) + 1
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, list):
+            if len(obj) > 16_384:
+                return True
+            items += len(obj) + 1
+            stack.extend(obj)
+    return items > 65_536
+
+
 def spec_outcome(msg: Any) -> tuple[int | None, set[str] | dict[str, Any]]:
     """What the schema says of an unpacked frame: ``(id, {codes})`` for a refusal (any of the
     codes may be the one reported when several fields are wrong), or ``(id, fields)`` for a
     valid request, with every field the request carries (defaults filled in, lists as tuples)."""
+    if _spec_past_shape_limits(msg):
+        return None, {"too_large"}  # refused before the frame is read, so its id is unknown
     if type(msg) is not dict:
         return None, {"bad_request"}
     rid = msg.get("id")
