@@ -45,10 +45,11 @@ from typing import Any, Container, Final, Iterator, Sequence
 import xxhash
 
 from kvswap.protocol.errors import Corrupt, IOFailure, NoSpace
+from kvswap.protocol.units import PAGE_BYTES
 
 from . import record
 from .base import Backend, GetStatus, Store
-from .disk import DIRECT_IO_MODES, FSYNC_MODES, Disk, aligned_empty, listdir_or_empty, make_private_dirs, try_flock
+from .disk import DIRECT_IO_MODES, FSYNC_MODES, Disk, aligned_empty, listdir_or_empty, make_private_dirs, pid_alive, try_flock
 from .file_index import RecordIndex
 
 __all__ = ["FSYNC_MODES", "DIRECT_IO_MODES", "Capacity", "Disk", "FileBackend", "FileStore", "make_private_dirs",
@@ -199,7 +200,7 @@ class FileStore(Store):
 
     def _header(self, key: str, payload: memoryview) -> memoryview | bytes:
         header = record.encode_header(self.namespace_bytes, key, len(payload), record.payload_checksum(payload))
-        if self.disk.direct and len(header) % 4096 == 0:
+        if self.disk.direct and len(header) % PAGE_BYTES == 0:
             aligned = self._header_buffer("write")  # O_DIRECT needs an aligned header buffer too
             aligned[:] = header
             return aligned
@@ -449,7 +450,7 @@ class FileStore(Store):
             if len(parts) >= 6 and parts[-4].isdigit():
                 writer_host, pid, writer_instance = ".".join(parts[1:-4]), int(parts[-4]), parts[-3]
                 if writer_host == host:
-                    dead = not _pid_alive(pid) if pid != me else writer_instance != instance
+                    dead = not pid_alive(pid) if pid != me else writer_instance != instance
             try:
                 dead = dead or now - os.stat(path).st_mtime > STALE_TEMP_S
                 if dead:
@@ -497,12 +498,3 @@ def scan_record_files(namespace_dir: str) -> Iterator[tuple[str, int, int]]:
                     continue
                 yield entry.name[: -len(RECORD_SUFFIX)], st.st_size, st.st_mtime_ns
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

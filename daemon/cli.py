@@ -3,34 +3,28 @@
 
 from __future__ import annotations
 
-import re
 import sys
 
 import click
 
 from kvswap import __version__
+from kvswap.protocol.units import parse_size
 
 from .config import Config, default_storage_dir
 from .config_file import load_config_option, print_config
 from .logs import LOG_FORMATS, configure_logging
 
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
-
-
 class ByteSize(click.ParamType):
-    """``268435456``, ``256M``, ``256MiB`` and ``256MB`` all mean 256 * 2**20 bytes."""
+    """A size as :func:`kvswap.protocol.units.parse_size` reads it (the rule remote URLs use
+    too): ``268435456``, ``256M``, ``256MiB`` and ``256MB`` all mean 256 * 2**20 bytes."""
 
     name = "bytes"
 
     def convert(self, value, param, ctx):  # type: ignore[override]
-        if isinstance(value, int):
-            return value
-        match = _SIZE_RE.match(str(value))
-        if not match:
-            self.fail(f"{value!r} is not a size such as 4096, 256M or 2GiB", param, ctx)
-        unit = (match.group(2) or "").lower()[:1]
-        return int(match.group(1)) * _UNITS[unit]
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
 
 
 BYTES = ByteSize()

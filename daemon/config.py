@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from .tiers import Locations
 
 from kvswap.backends.file_store import DIRECT_IO_MODES, FSYNC_MODES
+from kvswap.protocol.units import PAGE_BYTES
 
 MiB = 1024 * 1024
 
@@ -106,8 +107,8 @@ class Config:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         for name in ("write_staging_bytes", "read_staging_bytes"):
-            if getattr(self, name) < 4096:
-                raise ValueError(f"{name} must be at least 4096")
+            if getattr(self, name) < PAGE_BYTES:
+                raise ValueError(f"{name} must be at least {PAGE_BYTES}")
         if self.direct_io not in DIRECT_IO_MODES:
             raise ValueError(f"direct_io must be one of {', '.join(DIRECT_IO_MODES)}, got {self.direct_io!r}")
         if self.storage_max_bytes < 0 or self.storage_min_free_bytes < 0:

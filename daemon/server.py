@@ -30,6 +30,7 @@ from kvswap.protocol.limits import MAX_KEYS_PER_REQUEST, MAX_KEY_LENGTH, MAX_MES
 from .config import Config
 from .curve import CurveError, CurveServer
 from .metrics import HealthServer, Metrics
+from .staging import slot_bytes_for
 from .swapper import Deadline, Swapper
 from .tiers import open_backends
 
@@ -342,7 +343,7 @@ class Daemon:
         # pool, so a layout with huge records (over a sparse segment that costs its sender
         # nothing) would make the daemon allocate and touch that much memory twice over.
         layout = CacheLayout.from_wire(request.layout)
-        slot = -(-layout.record_bytes // 4096) * 4096
+        slot = slot_bytes_for(layout.record_bytes)
         budget = min(self.config.write_staging_bytes, self.config.read_staging_bytes)
         if slot > budget:
             raise InvalidLayout(f"a record of {layout.record_bytes} bytes does not fit in the staging memory of "

@@ -6,22 +6,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvswap.daemon.tools.local_daemon import free_port, spawn_kvswapd, stop_process  # noqa: F401  (free_port: for tests)
 from kvswap.protocol import Client
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -47,11 +40,8 @@ class DaemonProcess:
         assert self.proc is None or self.proc.poll() is not None, "already running"
         self.log_path = self.storage_dir.parent / f"kvswapd-{self.port}.log"
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvswap.daemon", "--cache-queue-port", str(self.port), "--metrics-port",
-             str(self.metrics_port), "--storage-dir", str(self.storage_dir), "--engine-check-interval-s", "0.2",
-             *self.extra_args],
-            stdout=log, stderr=log)
+        self.proc = spawn_kvswapd(self.port, self.metrics_port, str(self.storage_dir),
+                                  ["--engine-check-interval-s", "0.2", *self.extra_args], log)
         log.close()
         with Client(self.endpoint, timeout=2, **self.client_options) as c:
             try:
@@ -83,15 +73,7 @@ class DaemonProcess:
         return 0.0
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        return None if self.proc is None else stop_process(self.proc, sig, timeout)
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
