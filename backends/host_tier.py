@@ -59,7 +59,7 @@ class HostBackend(Backend):
                 raise ValueError(f"namespace {namespace} holds {store.record_bytes}-byte records, not {record_bytes}")
             return store
 
-    def check(self) -> list[str]:
+    def problems(self) -> list[str]:
         """Compare the byte count and per-namespace counts with the entries; return the
         mismatches (empty when consistent). For stress tests."""
         problems = []

@@ -197,7 +197,7 @@ class Swapper:
         if now - self._last_health_check >= self.config.remote_check_interval_s:
             self._last_health_check = now
             for backend in self.backends.values():
-                check = getattr(backend, "check", None)
+                check = getattr(backend, "probe", None)
                 if check is not None and hasattr(backend, "healthy"):
                     asyncio.ensure_future(self._run(self._health_pool, check)).add_done_callback(_log_failure)
         for tiers in list(self._namespaces.values()):

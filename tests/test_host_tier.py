@@ -54,7 +54,7 @@ def test_a_replaced_key_is_counted_once():
     out = out_buffer()
     assert store.get_into("k", out) is GetStatus.LOADED and bytes(out) == bytes(payload(1))
     assert store.usage() == {"records": 1, "bytes": STORED} and backend.used_bytes == STORED
-    assert backend.check() == []
+    assert backend.problems() == []
 
 
 def test_least_recently_used_goes_first_and_lookups_do_not_refresh():
@@ -108,7 +108,7 @@ def test_namespaces_share_the_budget_but_not_their_records():
     b.put("x", payload(5))
     assert (a.delete("x"), a.delete("x"), b.contains("x")) == (True, False, True)
     assert a.delete_many(["y", "zz"]) == 1
-    assert backend.check() == []
+    assert backend.problems() == []
 
 
 def test_a_damaged_record_is_corrupt_and_dropped():
@@ -120,7 +120,7 @@ def test_a_damaged_record_is_corrupt_and_dropped():
     backend._entries[(NS_A, "k")] = bytes(damaged)
     assert store.get_into("k", out_buffer()) is GetStatus.CORRUPT
     assert (store.contains("k"), store.corrupt, store.usage()["records"]) == (False, 1, 0)
-    assert backend.check() == []
+    assert backend.problems() == []
 
 
 def test_concurrent_writers_readers_and_deleters_keep_the_invariants():
@@ -157,7 +157,7 @@ def test_concurrent_writers_readers_and_deleters_keep_the_invariants():
     for t in threads:
         t.join(60)
     assert errors == []
-    assert backend.check() == []
+    assert backend.problems() == []
     assert backend.used_bytes <= capacity and backend.evictions > 0
     assert big.usage()["records"] + small.usage()["records"] == backend.records
     assert big.corrupt == small.corrupt == 0

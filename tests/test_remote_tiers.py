@@ -188,7 +188,7 @@ def test_gate_lets_one_thread_reprobe_while_the_others_fail_fast():
     assert entered.wait(10)
     with pytest.raises(Unavailable):
         gate.admit()
-    assert gate.check() is False  # a probe is running: check does not start another
+    assert gate.probe() is False  # a probe is running: check does not start another
     release.set()
     prober.join(10)
     assert (len(calls), gate.healthy) == (2, True)
@@ -220,13 +220,13 @@ def test_operations_wait_for_the_first_connect_instead_of_failing():
 def test_gate_check_notices_an_outage_while_healthy():
     clock, probe = FakeClock(), Probe()
     gate = HealthGate("t", probe, clock=clock)
-    assert gate.check() is True
+    assert gate.probe() is True
     probe.fail = True
-    assert gate.check() is False
-    assert gate.check() is False and probe.calls == 2  # backoff not over: no probe
+    assert gate.probe() is False
+    assert gate.probe() is False and probe.calls == 2  # backoff not over: no probe
     probe.fail = False
     clock.advance(0.5)
-    assert gate.check() is True and gate.reconnects == 1
+    assert gate.probe() is True and gate.reconnects == 1
 
 
 # -- adapters against real servers ------------------------------------------------------------
@@ -288,7 +288,7 @@ def remote(request):
     else:
         master = request.getfixturevalue("mooncake_master")
         backend = open_remote(master.url(segment="64MiB"))
-        assert backend.check(), backend.gate.last_error
+        assert backend.probe(), backend.gate.last_error
 
         def raw_set(k, v):  # the adapter's own client, used directly (upsert replaces)
             assert backend._client.upsert(k, v) == 0
@@ -397,7 +397,7 @@ def test_mooncake_registered_buffers_move_without_a_copy(mooncake_master):
         staging = np.zeros(4 * RECORD_BYTES, dtype=np.uint8)  # stands in for the daemon's staging pool
         view = memoryview(staging)
         view[:RECORD_BYTES] = payload(6)
-        backend.check()
+        backend.probe()
         backend.register_buffer(staging)
         store.put("zc", view[:RECORD_BYTES])
         assert store.get_into("zc", view[RECORD_BYTES:2 * RECORD_BYTES]) is GetStatus.LOADED
@@ -527,10 +527,10 @@ def test_tier_starts_while_the_server_is_down(kind, tmp_path):
         store = backend.open_store(new_namespace(), {}, RECORD_BYTES)
         with pytest.raises(Unavailable):
             store.put("k", payload(11))
-        assert backend.check() is False and backend.gate.probes == 1  # backoff: check did not probe
+        assert backend.probe() is False and backend.gate.probes == 1  # backoff: check did not probe
         server.start()
         clock.advance(1.0)
-        assert backend.check() is True and backend.reconnects == 0
+        assert backend.probe() is True and backend.reconnects == 0
         store.put("k", payload(11))
         out = out_buffer()
         assert store.get_into("k", out) is GetStatus.LOADED and bytes(out) == bytes(payload(11))
