@@ -78,6 +78,16 @@ class Store(abc.ABC):
     def delete_many(self, keys: Iterable[str]) -> int:
         return sum(1 for key in keys if self.delete(key))
 
+    # -- prefix chains: tiers that evict keep a chain's tail older than its head (see chains.py) --
+
+    def expect_chain(self, keys: Sequence[str]) -> None:
+        """A swap_out is about to write ``keys``, one chain head first (``keys[i]`` follows
+        ``keys[i-1]``). Default: nothing (a remote store evicts by its own rules)."""
+
+    def touch_chain(self, keys: Sequence[str], persist: bool = False) -> None:
+        """``keys`` are a hit prefix (lookup, swap_in), head first: touch them as a whole, head
+        newest; ``persist`` (swap_in) keeps that order across a restart. Default: nothing."""
+
 
 class Backend(abc.ABC):
     """A tier's root. ``open_store`` is called once per registered namespace."""

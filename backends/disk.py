@@ -109,8 +109,9 @@ class Disk:
 
     # -- records ----------------------------------------------------------------------------------
 
-    def write_file(self, tmp: str, final: str, parts: list[memoryview | bytes]) -> int:
+    def write_file(self, tmp: str, final: str, parts: list[memoryview | bytes], mtime_ns: int | None = None) -> int:
         """Write ``parts`` to ``tmp`` (created exclusively, 0600), then rename it onto ``final``.
+        With ``mtime_ns``, the file gets that mtime (the record's recency) before the rename.
         Returns bytes written. On any failure the temp file is gone."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         if self.direct and direct_compatible(parts):
@@ -124,6 +125,8 @@ class Disk:
                 if step <= 0:
                     raise OSError(errno.EIO, "write made no progress")
                 written += step
+            if mtime_ns is not None:
+                os.utime(fd, ns=(mtime_ns, mtime_ns))
             if self.fsync != "none":
                 os.fdatasync(fd)
         except BaseException:
@@ -170,9 +173,10 @@ class Disk:
         finally:
             os.close(fd)
 
-    def touch(self, path: str) -> None:
-        """Mark a record as used now (its mtime), so recency survives a restart."""
-        os.utime(path)
+    def touch(self, path: str, mtime_ns: int | None = None) -> None:
+        """Mark a record as used (its mtime: now, or the recency stamp given), so recency
+        survives a restart."""
+        os.utime(path, ns=None if mtime_ns is None else (mtime_ns, mtime_ns))
 
     def remove(self, path: str) -> bool:
         try:
