@@ -98,5 +98,15 @@ class Backend(abc.ABC):
     def open_store(self, namespace: str, description: dict[str, Any], record_bytes: int) -> Store:
         """The store for one namespace (fingerprint hex), creating it if needed."""
 
+    def probe(self) -> bool:
+        """Check now whether the tier can serve (may block up to a connect timeout); returns
+        :attr:`healthy`. Local tiers always can."""
+        return True
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the tier could serve at its last probe or operation."""
+        return True
+
     def close(self) -> None:
         """Release the tier."""

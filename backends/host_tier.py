@@ -103,6 +103,7 @@ class HostBackend(Backend):
             raise NoSpace("record larger than the host tier", size=size, capacity=self.capacity_bytes)
         if self._order.orphaned(entry):
             self._order.release(entry)
+            self._stores[namespace].chain_refused += 1
             raise _chain_broken(key)
         old = self._entries.pop(entry, None)
         if old is not None:
@@ -120,6 +121,7 @@ class HostBackend(Backend):
         if self._order.is_stranded(entry):
             # Its predecessor was evicted to make room for it: nothing could reach it.
             self._remove(namespace, key)
+            self._stores[namespace].chain_refused += 1
             raise _chain_broken(key)
 
     def _remove(self, namespace: str, key: str, expected: bytes | None = None) -> bool:
@@ -157,6 +159,8 @@ class HostStore(Store):
         self.misses = 0
         self.evictions = 0
         self.corrupt = 0
+        #: swap_out records refused because their predecessor was evicted.
+        self.chain_refused = 0
 
     def _encode(self, key: str, payload: memoryview) -> bytes:
         if len(payload) != self.record_bytes:
@@ -240,6 +244,8 @@ class HostStore(Store):
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.usage())
+        with self.backend._lock:
+            out.update(evicted_capacity=self.evictions, chain_refused=self.chain_refused)
         out["unreachable"] = self.unreachable()
         return out
 

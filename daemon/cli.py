@@ -73,6 +73,8 @@ def setup_logging(level: str, fmt: str = "text") -> None:
               help="Copy records found in a lower tier into the host tier.")
 @click.option("--remote-check-interval-s", type=click.FloatRange(0.1), default=_DEFAULTS.remote_check_interval_s,
               help="How often the remote tier's health is probed in the background.")
+@click.option("--ready-when-degraded/--no-ready-when-degraded", default=_DEFAULTS.ready_when_degraded,
+              help="Answer /readyz 200 even while a store or retrieve location (the remote tier) cannot serve.")
 @click.option("--write-threads", type=click.IntRange(1, 256), default=_DEFAULTS.write_threads,
               help="Threads writing records.")
 @click.option("--read-threads", type=click.IntRange(1, 256), default=_DEFAULTS.read_threads,

@@ -70,6 +70,9 @@ class Config:
     promote_to_host: bool = True
     #: How often an unhealthy (or healthy) remote tier is probed in the background.
     remote_check_interval_s: float = 2.0
+    #: /readyz answers 200 while a store or retrieve location cannot serve (the remote tier is
+    #: unreachable): for operators who prefer degraded serving to being taken out of rotation.
+    ready_when_degraded: bool = False
     #: Threads writing records. Writes of separate files overlap well on SSDs and network
     #: file systems (four threads measured 4.5x one thread here with fsync on).
     write_threads: int = 4

@@ -32,7 +32,7 @@ from .curve import CurveError, CurveServer
 from .metrics import HealthServer, Metrics
 from .staging import slot_bytes_for
 from .swapper import Deadline, Swapper
-from .tiers import open_backends
+from .tiers import open_backends, unready_locations
 
 log = logging.getLogger("kvswap.daemon")
 
@@ -54,8 +54,9 @@ class Daemon:
         #: The file tier: the daemon always has one; its directory is the daemon's storage dir.
         self.backend = self.backends["file"]
         self.swapper = Swapper(config, self.backends, config.locations(), self.metrics)
-        self.health = HealthServer(self.metrics, ready=lambda: self.serving)
+        self.health = HealthServer(self.metrics, ready=self.ready)
         self.serving = False
+        self._unready: list[str] = []
         self.should_exit = False
         self.started = time.time()
         self._ctx: zmq.asyncio.Context | None = None
@@ -67,6 +68,21 @@ class Daemon:
         self.curve = (CurveServer(config.curve_secret_key_file, config.authorized_keys, self.metrics.registry)
                       if config.curve else None)
         self.control_port = config.cache_queue_port
+
+    def ready(self) -> bool:
+        """/readyz: serving, and every store and retrieve location can serve, unless
+        ``ready_when_degraded``. A change is logged once, naming the tiers."""
+        if not self.serving:
+            return False
+        unready = unready_locations(self.backends, self.swapper.locations)
+        if unready != self._unready:
+            self._unready = unready
+            if unready:
+                log.warning("not ready: location(s) %s cannot serve%s", ", ".join(unready),
+                            " (ready anyway: ready_when_degraded)" if self.config.ready_when_degraded else "")
+            else:
+                log.info("ready: every store and retrieve location can serve")
+        return self.config.ready_when_degraded or not unready
 
     # -- the three phases ---------------------------------------------------------------------------
 

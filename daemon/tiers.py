@@ -213,6 +213,11 @@ def _failure(cause: KvswapError, key: str) -> KvswapError:
                tier=cause.details.get("tier", ""), reason=cause.message)
 
 
+def unready_locations(backends: dict[str, Backend], locations: Locations) -> list[str]:
+    """The store and retrieve locations whose tier cannot serve now (what /readyz reports)."""
+    return [tier for tier in dict.fromkeys(locations.store + locations.retrieve) if not backends[tier].healthy]
+
+
 def open_backends(config: Any) -> dict[str, Backend]:
     """The configured tiers' backends, in tier order. Connects nothing yet."""
     from kvswap.backends.file_store import Capacity, FileBackend
