@@ -105,10 +105,13 @@ class HostBackend(Backend):
             self._order.release(entry)
             self._stores[namespace].chain_refused += 1
             raise _chain_broken(key)
-        old = self._entries.pop(entry, None)
+        old = self._entries.get(entry)
+        if old is not None and len(old) == size:  # a replaced record keeps its links; just touched
+            self._entries[entry] = data
+            self._order.add(entry)
+            return
         if old is not None:
-            self._account(namespace, -1, -len(old))
-            self._order.remove(entry)
+            self._remove(namespace, key)
         while self._used + size > self.capacity_bytes:
             victim = self._order.victim()
             assert victim is not None, "the budget is used by records the order does not know"

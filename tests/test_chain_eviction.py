@@ -183,6 +183,17 @@ def test_a_chain_longer_than_the_cap_keeps_its_head_and_nothing_else(tmp_path, t
     assert store.stats()["unreachable"] == 0
 
 
+def test_a_replaced_host_record_keeps_its_place_in_the_chain():
+    backend = HostBackend(3 * (256 + RECORD))
+    store = backend.open_store(NS, {}, RECORD)
+    _swap_out(store, ["a", "b", "c"])
+    store.put("b", payload(9))  # the same key stored again (a promotion, say): b still follows a
+    assert store.stats()["unreachable"] == 0 and backend.problems() == []
+    store.put("y", payload(3))
+    store.put("z", payload(4))  # room for three: the chain's tail goes, then b, not the head a
+    assert [store.contains(k) for k in "abcyz"] == [True, False, False, True, True]
+
+
 def test_a_restart_keeps_the_chain_order_in_the_files_mtimes(tmp_path):
     backend = FileBackend(str(tmp_path))
     store = backend.open_store(NS, {}, RECORD)
