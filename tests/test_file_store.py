@@ -542,9 +542,9 @@ class RecordingDisk(Disk):
         super().__init__("none")
         self.tmp_seen: list[str] = []
 
-    def write_file(self, tmp, final, parts):
+    def write_file(self, tmp, final, parts, **options):
         self.tmp_seen.append(tmp)
-        return super().write_file(tmp, final, parts)
+        return super().write_file(tmp, final, parts, **options)
 
 
 def test_temp_file_is_named_for_its_writer_and_removed_on_failure(root, monkeypatch):
