@@ -17,29 +17,15 @@ from typing import Any, Sequence
 import click
 
 from kvswap import __version__
-from kvswap.protocol.units import parse_size
 
 from .config import OTHER_ENV_VARS, Config, ConfigError, default_storage_dir
-from .config_file import FILE_VALUES_KEY, load_config_option, print_config, value_source
+# BYTES, the flags' size type, lives in config_file (which checks a file's sizes with it);
+# tools and tests import it from here, with the flags.
+from .config_file import BYTES, FILE_VALUES_KEY, load_config_option, print_config, value_source
 from .logs import LOG_FORMATS, configure_logging
 
 log = logging.getLogger("kvswap.daemon")
 
-
-class ByteSize(click.ParamType):
-    """A size as :func:`kvswap.protocol.units.parse_size` reads it (the rule remote URLs use
-    too): ``268435456``, ``256M``, ``256MiB`` and ``256MB`` all mean 256 * 2**20 bytes."""
-
-    name = "bytes"
-
-    def convert(self, value, param, ctx):  # type: ignore[override]
-        try:
-            return parse_size(value)
-        except ValueError as exc:
-            self.fail(str(exc), param, ctx)
-
-
-BYTES = ByteSize()
 _DEFAULTS = Config(storage_dir="")
 
 
