@@ -195,7 +195,7 @@ class Daemon:
         log.info("open-files limit %d (%d open, %d kept in reserve)", fd_limit, fds.open_count(), fds.RESERVE)
         locations = self.swapper.locations
         log.info("tiers: %s; store to %s; retrieve from %s%s", ", ".join(
-            getattr(b, "url", None) or (b.root if hasattr(b, "root") else name) for name, b in self.backends.items()),
+            b.url or (self.backend.root if b is self.backend else name) for name, b in self.backends.items()),
             ",".join(locations.store), ",".join(locations.retrieve), "; promote to host" if locations.promote else "")
 
     def request_exit(self) -> None:
