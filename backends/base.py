@@ -98,6 +98,16 @@ class Store(abc.ABC):
         """Free bytes on the medium, where it has a file system to ask (else None)."""
         return None
 
+    # -- prefix chains: tiers that evict keep a chain's tail older than its head (see chains.py) --
+
+    def expect_chain(self, keys: Sequence[str]) -> None:
+        """A swap_out is about to write ``keys``, one chain head first (``keys[i]`` follows
+        ``keys[i-1]``). Default: nothing (a remote store evicts by its own rules)."""
+
+    def touch_chain(self, keys: Sequence[str], persist: bool = False) -> None:
+        """``keys`` are a hit prefix (lookup, swap_in), head first: touch them as a whole, head
+        newest; ``persist`` (swap_in) keeps that order across a restart. Default: nothing."""
+
 
 class Backend(abc.ABC):
     """A tier's root. ``open_store`` is called once per registered namespace."""

@@ -17,16 +17,14 @@ from typing import Final, Sequence
 import numpy as np
 
 from kvswap.protocol.errors import Corrupt
+from kvswap.protocol.units import PAGE_BYTES
 
 FSYNC_MODES: Final = ("none", "data", "strict")
 DIRECT_IO_MODES: Final = ("auto", "on", "off")
-#: O_DIRECT needs buffer addresses, lengths and file offsets aligned to the device's logical
-#: block; 4 KiB is right for every device we meet (512 B devices accept it too).
-DIRECT_ALIGN: Final = 4096
 _O_DIRECT: Final = getattr(os, "O_DIRECT", 0)
 
 
-def aligned_empty(nbytes: int, align: int = DIRECT_ALIGN) -> np.ndarray:
+def aligned_empty(nbytes: int, align: int = PAGE_BYTES) -> np.ndarray:
     """An uninitialised uint8 array whose first byte is ``align``-aligned (O_DIRECT buffers,
     staging slots)."""
     raw = np.empty(nbytes + align, dtype=np.uint8)
@@ -40,6 +38,18 @@ def listdir_or_empty(path: str) -> list[str]:
         return os.listdir(path)
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (one owned by another user counts).
+    The one liveness check: the daemon's engine watch and the temp-file reclaim use it."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def try_flock(path: str) -> int | None:
@@ -71,7 +81,9 @@ def _address(part: memoryview | bytes | bytearray) -> int:
 
 
 def direct_compatible(parts: Sequence[memoryview | bytes | bytearray]) -> bool:
-    return all(len(p) % DIRECT_ALIGN == 0 and _address(p) % DIRECT_ALIGN == 0 for p in parts)
+    """O_DIRECT needs buffer addresses, lengths and file offsets aligned to the device's
+    logical block; a page is right for every device we meet (512 B devices accept it too)."""
+    return all(len(p) % PAGE_BYTES == 0 and _address(p) % PAGE_BYTES == 0 for p in parts)
 
 
 def _rest_after(parts: Sequence[memoryview | bytes | bytearray], n: int) -> list[memoryview]:
@@ -97,8 +109,9 @@ class Disk:
 
     # -- records ----------------------------------------------------------------------------------
 
-    def write_file(self, tmp: str, final: str, parts: list[memoryview | bytes]) -> int:
+    def write_file(self, tmp: str, final: str, parts: list[memoryview | bytes], mtime_ns: int | None = None) -> int:
         """Write ``parts`` to ``tmp`` (created exclusively, 0600), then rename it onto ``final``.
+        With ``mtime_ns``, the file gets that mtime (the record's recency) before the rename.
         Returns bytes written. On any failure the temp file is gone."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         if self.direct and direct_compatible(parts):
@@ -112,6 +125,8 @@ class Disk:
                 if step <= 0:
                     raise OSError(errno.EIO, "write made no progress")
                 written += step
+            if mtime_ns is not None:
+                os.utime(fd, ns=(mtime_ns, mtime_ns))
             if self.fsync != "none":
                 os.fdatasync(fd)
         except BaseException:
@@ -158,9 +173,10 @@ class Disk:
         finally:
             os.close(fd)
 
-    def touch(self, path: str) -> None:
-        """Mark a record as used now (its mtime), so recency survives a restart."""
-        os.utime(path)
+    def touch(self, path: str, mtime_ns: int | None = None) -> None:
+        """Mark a record as used (its mtime: now, or the recency stamp given), so recency
+        survives a restart."""
+        os.utime(path, ns=None if mtime_ns is None else (mtime_ns, mtime_ns))
 
     def remove(self, path: str) -> bool:
         try:
@@ -195,13 +211,13 @@ class Disk:
         if not _O_DIRECT:
             return False
         path = os.path.join(directory, f".direct-probe.{os.getpid()}.{secrets.token_hex(4)}")
-        block = aligned_empty(DIRECT_ALIGN)
+        block = aligned_empty(PAGE_BYTES)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o600)
         except OSError:
             return False
         try:
-            return os.pwritev(fd, [block], 0) == DIRECT_ALIGN and os.preadv(fd, [block], 0) == DIRECT_ALIGN
+            return os.pwritev(fd, [block], 0) == PAGE_BYTES and os.preadv(fd, [block], 0) == PAGE_BYTES
         except OSError:
             return False
         finally:

@@ -1,5 +1,6 @@
-"""The file tier's in-memory index: which records exist, how many bytes they take, in which
-order they were last used, and which are pinned by a read in progress.
+"""The file tier's in-memory index: which records exist, how many bytes they take, their
+recency and chain links (:class:`~.chains.ChainOrder`, the eviction rule), and which are pinned
+by a read in progress.
 
 Pure bookkeeping, thread-safe, no I/O: the store decides what to do, the index remembers.
 """
@@ -7,15 +8,18 @@ Pure bookkeeping, thread-safe, no I/O: the store decides what to do, the index r
 from __future__ import annotations
 
 import threading
-from collections import Counter, OrderedDict
-from typing import Iterable
+from collections import Counter
+from typing import Iterable, Sequence
+
+from .chains import ChainOrder
 
 
 class RecordIndex:
-    """``name -> bytes on disk``, least recently used first."""
+    """``name -> bytes on disk``, with the order records are evicted in."""
 
-    def __init__(self) -> None:
-        self._entries: "OrderedDict[str, int]" = OrderedDict()
+    def __init__(self, policy: str = "chain") -> None:
+        self._sizes: dict[str, int] = {}
+        self._order: ChainOrder[str] = ChainOrder(policy)
         self._pins: Counter[str] = Counter()
         #: Records that could not be deleted: still on disk (their bytes count), never offered
         #: for eviction again, so one bad file cannot wedge eviction.
@@ -26,74 +30,95 @@ class RecordIndex:
     # -- membership ----------------------------------------------------------------------------
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries or name in self._stuck
+        return name in self._sizes or name in self._stuck
 
     def __len__(self) -> int:
-        return len(self._entries) + len(self._stuck)
+        return len(self._sizes) + len(self._stuck)
 
     @property
     def bytes(self) -> int:
         return self._bytes
 
-    def add(self, name: str, size: int) -> None:
-        """Record ``name`` as just used (a write or a read)."""
+    def add(self, name: str, size: int, stamp: int | None = None) -> bool:
+        """Record ``name`` as stored and just used (a write or a read), with ``stamp`` if given
+        (the mtime its file was given). Returns False when it is stranded: its predecessor is
+        known to be gone, so no lookup can reach it and the caller should drop it."""
         with self._lock:
             self._set(name, size)
-            self._entries.move_to_end(name)
+            self._order.add(name, stamp)
+            return not self._order.is_stranded(name)
 
     def touch(self, name: str) -> bool:
         with self._lock:
-            if name in self._entries:
-                self._entries.move_to_end(name)
+            if name in self._sizes:
+                self._order.add(name)
                 return True
             return name in self._stuck
 
-    def touch_prefix(self, names: Iterable[str | None]) -> int:
-        """Touch leading names while they are indexed (None counts as present, untouched);
-        return how many. One lock for the whole run."""
+    def present_prefix(self, names: Iterable[str | None]) -> int:
+        """How many leading names are indexed (None counts as present). Touches nothing: a
+        hit prefix is touched as a whole, by :meth:`touch_chain`."""
         count = 0
         with self._lock:
             for name in names:
-                if name is None or name in self._stuck:
-                    count += 1
-                elif name in self._entries:
-                    self._entries.move_to_end(name)
-                    count += 1
-                else:
+                if name is not None and name not in self._sizes and name not in self._stuck:
                     break
+                count += 1
         return count
+
+    def touch_chain(self, names: Sequence[str], reserve: bool = False) -> list[tuple[str, int]]:
+        """See :meth:`ChainOrder.chain`: learn the links, stamp the chain head newest; with
+        ``reserve`` the records not yet stored keep their stamps for their writes. Returns the
+        stored records touched, with their stamps."""
+        with self._lock:
+            return self._order.chain(names, reserve)
+
+    def stamp_for_write(self, name: str) -> tuple[bool, int]:
+        """Before writing ``name``: (whether it is worth writing, the stamp to give its file).
+        Not worth it when a swap_out named it and its predecessor is gone: stored, it would be
+        a record no lookup reaches."""
+        with self._lock:
+            if self._order.orphaned(name):
+                self._order.release(name)
+                return False, 0
+            return True, self._order.upcoming_stamp(name)
+
+    def release(self, name: str) -> None:
+        """A write ``name`` was reserved for failed."""
+        with self._lock:
+            self._order.release(name)
 
     def merge_scanned(self, found: Iterable[tuple[str, int, int]]) -> int:
         """Merge ``(name, size, last_used_ns)`` found on disk. Records already known keep their
-        place (they were used since the scan began); the others go before them, oldest first.
-        Returns how many were new."""
-        ordered = sorted(found, key=lambda item: item[2], reverse=True)
-        added = 0
+        place (they were used since the scan began); the others go before them, in their mtime
+        order. Returns how many were new."""
         with self._lock:
-            for name, size, _ in ordered:
-                if name in self._entries or name in self._stuck:
-                    continue
+            new = [(name, size, mtime) for name, size, mtime in found
+                   if name not in self._sizes and name not in self._stuck]
+            for name, size, _ in new:
                 self._set(name, size)
-                self._entries.move_to_end(name, last=False)
-                added += 1
-        return added
+            return self._order.merge_older((name, mtime) for name, _, mtime in new)
 
     def replace_all(self, found: Iterable[tuple[str, int, int]]) -> None:
         """Make the index exactly what a fresh directory listing says (records other writers
-        added appear, records others removed go), keeping known recency where it exists."""
+        added appear, records others removed go), keeping known recency where it exists.
+        Records whose predecessor another writer removed become stranded, evicted first."""
         found = list(found)
         names = {name for name, _, _ in found}
         with self._lock:
-            for name in [n for n in self._entries if n not in names]:
-                self._bytes -= self._entries.pop(name)
+            for name in [n for n in self._sizes if n not in names]:
+                self._bytes -= self._sizes.pop(name)
+                self._order.remove(name)
             for name in [n for n in self._stuck if n not in names]:
                 self._bytes -= self._stuck.pop(name)
         self.merge_scanned(found)
 
     def remove(self, name: str) -> int | None:
         with self._lock:
-            size = self._entries.pop(name, None)
-            if size is None:
+            size = self._sizes.pop(name, None)
+            if size is not None:
+                self._order.remove(name)
+            else:
                 size = self._stuck.pop(name, None)
             if size is not None:
                 self._bytes -= size
@@ -101,7 +126,8 @@ class RecordIndex:
 
     def clear(self) -> None:
         with self._lock:
-            self._entries.clear()
+            self._sizes.clear()
+            self._order.clear()
             self._stuck.clear()
             self._bytes = 0
 
@@ -118,15 +144,17 @@ class RecordIndex:
                 del self._pins[name]
 
     def take_victim(self) -> tuple[str, int] | None:
-        """Remove and return the least recently used unpinned record, or None. The caller
-        deletes the file; if that fails it calls :meth:`mark_stuck`."""
+        """Remove and return the next record to evict (:meth:`ChainOrder.victim`: stranded
+        records first, then the least recently used record no other follows), skipping pinned
+        ones; or None. The caller deletes the file; if that fails it calls :meth:`mark_stuck`."""
         with self._lock:
-            for name, size in self._entries.items():
-                if not self._pins.get(name):
-                    del self._entries[name]
-                    self._bytes -= size
-                    return name, size
-        return None
+            name = self._order.victim(skip=lambda n: bool(self._pins.get(n)))
+            if name is None:
+                return None
+            self._order.remove(name)
+            size = self._sizes.pop(name)
+            self._bytes -= size
+            return name, size
 
     def mark_stuck(self, name: str, size: int) -> None:
         with self._lock:
@@ -138,11 +166,12 @@ class RecordIndex:
     def stuck(self) -> int:
         return len(self._stuck)
 
-    def oldest(self, n: int) -> list[str]:
+    def unreachable(self) -> int:
+        """Indexed records no lookup can reach (their chain lost a record before them)."""
         with self._lock:
-            return [name for name, _ in zip(self._entries, range(n))]
+            return self._order.unreachable()
 
     def _set(self, name: str, size: int) -> None:
-        old = self._entries.get(name)
-        self._entries[name] = size
+        old = self._sizes.get(name)
+        self._sizes[name] = size
         self._bytes += size - (old or 0)

@@ -14,12 +14,16 @@ either the whole record or none; the index is updated after the rename and files
 last. Files are 0600, directories 0700.
 
 Capacity: with ``max_bytes`` set, a write first reserves its bytes; if the directory would go
-over the cap, least recently used records are evicted down to the low watermark before the
-write starts, so the directory never holds more than the cap. Background eviction keeps
-usage under the high watermark (and free space above ``min_free_bytes``). A record being read
-is pinned and never evicted; a file that cannot be deleted is set aside and counted, so one
-bad file cannot wedge eviction. Recency survives a restart through the files' mtimes, which
-every read refreshes.
+over the cap, records are evicted down to the low watermark before the write starts, so the
+directory never holds more than the cap. Background eviction keeps usage under the high
+watermark (and free space above ``min_free_bytes``). Which record goes first is the rule of
+:mod:`.chains`: stranded records, then the least recent record no other record follows, so a
+chain loses its tail before its head and never keeps a record no lookup can reach; a record
+whose predecessor was evicted is not written (``no_space``). A record being read is pinned and
+never evicted; a file that cannot be deleted is set aside and counted, so one bad file cannot
+wedge eviction. Recency survives a restart through the files' mtimes: a write gives its file
+the record's recency stamp, and a swap_in re-stamps its hit prefix. The chain links are in
+memory only, learned again from requests after a restart.
 
 Shared directories: several daemons (and hosts, on NFS) may use one root. Temp names are
 unique per writer, a rename that replaces another writer's copy of the same record is a
@@ -42,30 +46,21 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Container, Final, Iterator, Sequence
 
-import xxhash
-
 from kvswap.protocol.errors import Corrupt, IOFailure, NoSpace
+from kvswap.protocol.units import PAGE_BYTES
 
 from . import record
 from .base import Backend, GetStatus, Store
-from .disk import DIRECT_IO_MODES, FSYNC_MODES, Disk, aligned_empty, listdir_or_empty, make_private_dirs, try_flock
+from .disk import DIRECT_IO_MODES, FSYNC_MODES, Disk, aligned_empty, make_private_dirs, try_flock
 from .file_index import RecordIndex
+from .file_layout import LOCK_NAME, RECORD_SUFFIX, TMP_SUFFIX, reclaim_temp_files, record_name, scan_record_files
 
-__all__ = ["FSYNC_MODES", "DIRECT_IO_MODES", "Capacity", "Disk", "FileBackend", "FileStore", "make_private_dirs",
-           "record_name"]
+__all__ = ["FSYNC_MODES", "DIRECT_IO_MODES", "LOCK_NAME", "RECORD_SUFFIX", "TMP_SUFFIX", "Capacity", "Disk", "FileBackend",
+           "FileStore", "make_private_dirs", "record_name", "scan_record_files"]
 
 log = logging.getLogger(__name__)
 
-RECORD_SUFFIX: Final = ".kvr"
-TMP_SUFFIX: Final = ".tmp"
-LOCK_NAME: Final = "evict.lock"
-#: A temp file this old is garbage whoever wrote it: no record write takes an hour.
-STALE_TEMP_S: Final = 3600
 _SPACE_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT})
-
-
-def record_name(key: str) -> str:
-    return xxhash.xxh3_128_hexdigest(key.encode())
 
 
 def _io_error(exc: OSError, action: str, path: str) -> Exception:
@@ -95,7 +90,7 @@ class FileBackend(Backend):
     tier = "file"
 
     def __init__(self, root: str, fsync: str = "none", disk: Disk | None = None, capacity: Capacity | None = None,
-                 direct_io: str = "off", rescan_interval_s: float = 0.0) -> None:
+                 direct_io: str = "off", rescan_interval_s: float = 0.0, eviction: str = "chain") -> None:
         if direct_io not in DIRECT_IO_MODES:
             raise ValueError(f"direct_io must be one of {DIRECT_IO_MODES}")
         self.root = os.path.abspath(root)
@@ -105,6 +100,8 @@ class FileBackend(Backend):
         #: How often the evicting daemon re-lists the directory to see other writers' records
         #: (0: only at start-up; set it when the directory is shared).
         self.rescan_interval_s = rescan_interval_s
+        #: Eviction order (:data:`.chains.POLICIES`); "lru" only to measure against.
+        self.eviction = eviction
         # Temp names carry host, pid and a per-process token, so writers sharing a directory
         # never collide and a restart can tell its predecessor's leftovers (same pid is common
         # in containers) from a live neighbour's.
@@ -144,7 +141,7 @@ class FileStore(Store):
         self.file_bytes = self.header_len + record_bytes
         self.dir = os.path.join(backend.root, namespace)
         self.tmp_dir = os.path.join(self.dir, "tmp")
-        self.index = RecordIndex()
+        self.index = RecordIndex(backend.eviction)
         self.counters: Counter[str] = Counter()
         self._counter_lock = threading.Lock()
         self.scan_complete = threading.Event()
@@ -187,29 +184,45 @@ class FileStore(Store):
         if len(payload) != self.record_bytes:
             raise ValueError(f"payload of {len(payload)} bytes, the namespace stores {self.record_bytes}")
         name, path = self.path_of(key)
+        worth, stamp = self.index.stamp_for_write(name)
+        if not worth:
+            raise self._chain_broken(key)
         header = self._header(key, payload)
-        self._admit(self.file_bytes)
         try:
-            size = self._write(name, path, header, payload)
-        finally:
-            with self._admission:
-                self._reserved -= self.file_bytes
-        self.index.add(name, size)
+            self._admit(self.file_bytes)
+            try:
+                # The file's mtime is its recency stamp, so a restart orders records as the index did.
+                size = self._write(name, path, header, payload, stamp)
+            finally:
+                with self._admission:
+                    self._reserved -= self.file_bytes
+        except BaseException:
+            self.index.release(name)
+            raise
+        if not self.index.add(name, size, stamp):
+            # Its predecessor was evicted while it was being written: nothing can reach it.
+            self._discard(name, path)
+            raise self._chain_broken(key)
         return size
+
+    def _chain_broken(self, key: str) -> NoSpace:
+        self._count("chain_refused", 1)
+        return NoSpace("the record before this one in its chain was evicted; storing it would waste the space",
+                       key=key, tier="file")
 
     def _header(self, key: str, payload: memoryview) -> memoryview | bytes:
         header = record.encode_header(self.namespace_bytes, key, len(payload), record.payload_checksum(payload))
-        if self.disk.direct and len(header) % 4096 == 0:
+        if self.disk.direct and len(header) % PAGE_BYTES == 0:
             aligned = self._header_buffer("write")  # O_DIRECT needs an aligned header buffer too
             aligned[:] = header
             return aligned
         return header
 
-    def _write(self, name: str, path: str, header: memoryview | bytes, payload: memoryview) -> int:
+    def _write(self, name: str, path: str, header: memoryview | bytes, payload: memoryview, mtime_ns: int) -> int:
         for attempt in (1, 2):
             try:
                 self._make_record_dir(os.path.dirname(path))
-                return self.disk.write_file(self._tmp_path(name), path, [header, payload])
+                return self.disk.write_file(self._tmp_path(name), path, [header, payload], mtime_ns=mtime_ns)
             except OSError as exc:
                 if exc.errno in _SPACE_ERRNOS and attempt == 1 and self.is_leader:
                     # The disk filled under us (other tenants, or no cap set): make room, retry once.
@@ -278,16 +291,12 @@ class FileStore(Store):
                 return GetStatus.CORRUPT
         finally:
             self.index.unpin(name)
-        self.index.add(name, size)
-        try:
-            self.disk.touch(path)
-        except OSError:
-            pass  # recency on disk is a hint; a read-only directory still serves reads
+        self.index.touch(name)  # its file's mtime follows when the hit prefix is touched as a whole
         return GetStatus.LOADED
 
     def contains(self, key: str) -> bool:
         name, path = self.path_of(key)
-        if self.index.touch(name):
+        if name in self.index:
             return True
         # Not indexed: the start-up scan may not have reached it, or another daemon sharing
         # the directory wrote it. One stat settles it.
@@ -297,7 +306,23 @@ class FileStore(Store):
         return False
 
     def cached_prefix(self, keys: Sequence[str], also_present: Container[str] = ()) -> int:
-        return self.index.touch_prefix(None if k in also_present else record_name(k) for k in keys)
+        return self.index.present_prefix(None if k in also_present else record_name(k) for k in keys)
+
+    def expect_chain(self, keys: Sequence[str]) -> None:
+        """A swap_out is about to write ``keys``, one chain head first: their stamps make the
+        tail older than the head (see :mod:`.chains`)."""
+        self.index.touch_chain([record_name(k) for k in keys], reserve=True)
+
+    def touch_chain(self, keys: Sequence[str], persist: bool = False) -> None:
+        """A hit prefix, touched as a whole (head newest); with ``persist`` (a swap_in) the
+        files' mtimes take the new stamps, so the order survives a restart."""
+        touched = self.index.touch_chain([record_name(k) for k in keys])
+        if persist:
+            for name, stamp in touched:
+                try:
+                    self.disk.touch(self._path(name), stamp)
+                except OSError:
+                    pass  # recency on disk is a hint; a read-only directory still serves reads
 
     def delete(self, key: str) -> bool:
         name, path = self.path_of(key)
@@ -411,7 +436,7 @@ class FileStore(Store):
         """Index every record in the directory and reclaim dead writers' temp files. Safe to
         run while serving: ``contains`` falls back to the directory meanwhile."""
         started = time.monotonic()
-        self._count("temp_reclaimed", self._reclaim_temp_files())
+        self._count("temp_reclaimed", reclaim_temp_files(self.tmp_dir, self.backend.instance, self.disk))
         found = list(self._list_records())
         self.index.merge_scanned(found)
         self.scan_seconds = time.monotonic() - started
@@ -432,32 +457,6 @@ class FileStore(Store):
         for name, _, _ in self._list_records():
             yield self._path(name)
 
-    def _reclaim_temp_files(self) -> int:
-        """A temp file is garbage once its writer is gone: same host and a dead pid (or our
-        pid under another instance token: a restart), or older than any write takes. Temp
-        files of live writers (other daemons sharing the directory) are left alone."""
-        host, me, instance = socket.gethostname(), os.getpid(), self.backend.instance
-        reclaimed = 0
-        now = time.time()
-        for entry in listdir_or_empty(self.tmp_dir):
-            if not entry.endswith(TMP_SUFFIX):
-                continue
-            path = os.path.join(self.tmp_dir, entry)
-            parts = entry.split(".")
-            # <name>.<host...>.<pid>.<instance>.<rand>.tmp; host names may contain dots.
-            dead = False
-            if len(parts) >= 6 and parts[-4].isdigit():
-                writer_host, pid, writer_instance = ".".join(parts[1:-4]), int(parts[-4]), parts[-3]
-                if writer_host == host:
-                    dead = not _pid_alive(pid) if pid != me else writer_instance != instance
-            try:
-                dead = dead or now - os.stat(path).st_mtime > STALE_TEMP_S
-                if dead:
-                    reclaimed += self.disk.remove(path)
-            except OSError:
-                continue
-        return reclaimed
-
     def _count(self, name: str, n: int = 1) -> None:
         with self._counter_lock:
             self.counters[name] += n
@@ -466,6 +465,7 @@ class FileStore(Store):
         out: dict[str, Any] = dict(self.usage())
         out.update({"leader": self.is_leader, "scan_complete": self.scan_complete.is_set(),
                     "scan_seconds": round(self.scan_seconds, 3), "stuck": self.index.stuck,
+                    "unreachable": self.index.unreachable(),
                     "max_bytes": self.capacity.max_bytes, "min_free_bytes": self.capacity.min_free_bytes,
                     "direct_io": self.disk.direct})
         out.update(self.counters)
@@ -474,35 +474,3 @@ class FileStore(Store):
 
 def _aligned(nbytes: int) -> memoryview:
     return memoryview(aligned_empty(nbytes))
-
-
-def scan_record_files(namespace_dir: str) -> Iterator[tuple[str, int, int]]:
-    """``(name, size, mtime_ns)`` of every record file under a namespace directory, walking
-    its two levels of shards. Files removed while we walk are skipped."""
-    for first in listdir_or_empty(namespace_dir):
-        if len(first) != 2:
-            continue
-        level1 = os.path.join(namespace_dir, first)
-        for second in listdir_or_empty(level1):
-            try:
-                entries = list(os.scandir(os.path.join(level1, second)))
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            for entry in entries:
-                if not entry.name.endswith(RECORD_SUFFIX):
-                    continue
-                try:
-                    st = entry.stat()
-                except OSError:
-                    continue
-                yield entry.name[: -len(RECORD_SUFFIX)], st.st_size, st.st_mtime_ns
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -1,14 +1,17 @@
-"""The host tier: records in the daemon's RAM, within a byte budget, least recently used out.
+"""The host tier: records in the daemon's RAM, within a byte budget, prefix chains kept whole.
 
 One budget (``capacity_bytes``) covers every namespace the daemon serves: the backend owns one
-LRU list of ``(namespace, key) -> record bytes`` and each store is a view of its namespace.
+map of ``(namespace, key) -> record bytes`` with one eviction order over all of them (the rule
+of :mod:`.chains`: stranded records first, then the least recent record no other record
+follows), and each store is a view of its namespace.
 A record is kept whole — header and payload, the bytes a record file holds — so a read is
 verified exactly like a file, and ``bytes`` counts header + payload.
 
-A put that would go over the budget evicts least recently used records (of any namespace)
-until the new one fits; a record larger than the whole budget is refused with ``NoSpace``.
-Reads (``get_into``) make a record most recently used; ``contains`` does not, so a lookup
-cannot keep a record alive. Encoding and checksums run outside the lock; the lock only guards
+A put that would go over the budget evicts records (of any namespace) in that order until the
+new one fits; a record larger than the whole budget is refused with ``NoSpace``, and so is a
+swap_out's record whose predecessor was evicted (it would be unreachable). Reads
+(``get_into``) make a record most recently used; ``contains`` does not: a lookup or swap_in
+touches its hit prefix as a whole (:meth:`HostStore.touch_chain`), head newest. Encoding and checksums run outside the lock; the lock only guards
 the dictionary and the byte count, so ``used_bytes <= capacity_bytes`` holds at every instant.
 """
 
@@ -16,13 +19,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from typing import Any, Container, Iterable, Sequence
 
 from kvswap.protocol.errors import Corrupt, NoSpace
 
 from . import record
 from .base import Backend, GetStatus, Store
+from .chains import ChainOrder
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +33,15 @@ log = logging.getLogger(__name__)
 class HostBackend(Backend):
     tier = "host"
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, eviction: str = "chain") -> None:
         if capacity_bytes <= 0:
             raise ValueError("host tier capacity must be a positive number of bytes")
         self.capacity_bytes = capacity_bytes
         self._lock = threading.Lock()
-        # (namespace, key) -> whole record; first = least recently used.
-        self._entries: OrderedDict[tuple[str, str], bytes] = OrderedDict()
+        # (namespace, key) -> whole record; the order says which goes first.
+        self._entries: dict[tuple[str, str], bytes] = {}
+        # Eviction order (:data:`.chains.POLICIES`); "lru" only to measure against.
+        self._order: ChainOrder[tuple[str, str]] = ChainOrder(eviction)
         self._used = 0
         self._stores: dict[str, HostStore] = {}
         #: Records evicted to make room, all namespaces.
@@ -69,6 +74,8 @@ class HostBackend(Backend):
                 problems.append(f"used_bytes {self._used} != sum of records {total}")
             if self._used > self.capacity_bytes:
                 problems.append(f"used_bytes {self._used} > capacity {self.capacity_bytes}")
+            if len(self._order) != len(self._entries) or any(e not in self._order for e in self._entries):
+                problems.append(f"eviction order knows {len(self._order)} records, the tier holds {len(self._entries)}")
             for ns, store in self._stores.items():
                 n = sum(1 for (entry_ns, _) in self._entries if entry_ns == ns)
                 b = sum(len(v) for (entry_ns, _), v in self._entries.items() if entry_ns == ns)
@@ -79,6 +86,7 @@ class HostBackend(Backend):
     def close(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._order.clear()
             self._used = 0
             for store in self._stores.values():
                 store._records = store._bytes = 0
@@ -86,21 +94,38 @@ class HostBackend(Backend):
     # -- under self._lock -------------------------------------------------------------------------
 
     def _insert(self, namespace: str, key: str, data: bytes) -> None:
-        """Store ``data`` as the most recent record, evicting the oldest to make room."""
+        """Store ``data`` (most recent, or with the stamp its chain reserved), evicting to make
+        room."""
         size = len(data)
-        if size > self.capacity_bytes:
-            raise NoSpace("record larger than the host tier", size=size, capacity=self.capacity_bytes)
         entry = (namespace, key)
-        old = self._entries.pop(entry, None)
+        if size > self.capacity_bytes:
+            self._order.release(entry)
+            raise NoSpace("record larger than the host tier", size=size, capacity=self.capacity_bytes)
+        if self._order.orphaned(entry):
+            self._order.release(entry)
+            self._stores[namespace].chain_refused += 1
+            raise _chain_broken(key)
+        old = self._entries.get(entry)
+        if old is not None and len(old) == size:  # a replaced record keeps its links; just touched
+            self._entries[entry] = data
+            self._order.add(entry)
+            return
         if old is not None:
-            self._account(namespace, -1, -len(old))
+            self._remove(namespace, key)
         while self._used + size > self.capacity_bytes:
-            (victim_ns, _), victim = self._entries.popitem(last=False)
-            self._account(victim_ns, -1, -len(victim))
+            victim = self._order.victim()
+            assert victim is not None, "the budget is used by records the order does not know"
+            self._remove(*victim)
             self.evictions += 1
-            self._stores[victim_ns].evictions += 1
+            self._stores[victim[0]].evictions += 1
         self._entries[entry] = data
         self._account(namespace, 1, size)
+        self._order.add(entry)
+        if self._order.is_stranded(entry):
+            # Its predecessor was evicted to make room for it: nothing could reach it.
+            self._remove(namespace, key)
+            self._stores[namespace].chain_refused += 1
+            raise _chain_broken(key)
 
     def _remove(self, namespace: str, key: str, expected: bytes | None = None) -> bool:
         entry = (namespace, key)
@@ -108,6 +133,7 @@ class HostBackend(Backend):
         if data is None or (expected is not None and data is not expected):
             return False
         del self._entries[entry]
+        self._order.remove(entry)
         self._account(namespace, -1, -len(data))
         return True
 
@@ -136,6 +162,8 @@ class HostStore(Store):
         self.misses = 0
         self.evictions = 0
         self.corrupt = 0
+        #: swap_out records refused because their predecessor was evicted.
+        self.chain_refused = 0
 
     def _encode(self, key: str, payload: memoryview) -> bytes:
         if len(payload) != self.record_bytes:
@@ -162,7 +190,7 @@ class HostStore(Store):
             if data is None:
                 self.misses += 1
                 return GetStatus.MISS
-            self.backend._entries.move_to_end(entry)
+            self.backend._order.add(entry)
         try:
             payload = record.decode_record(data, self.namespace_bytes, key)
             if len(payload) != len(out):
@@ -201,6 +229,30 @@ class HostStore(Store):
                     return i
         return len(keys)
 
+    def expect_chain(self, keys: Sequence[str]) -> None:
+        """A swap_out is about to write ``keys``, one chain head first: the tail gets the
+        oldest stamp (see :mod:`.chains`)."""
+        with self.backend._lock:
+            self.backend._order.chain([(self.namespace, key) for key in keys], reserve=True)
+
+    def touch_chain(self, keys: Sequence[str], persist: bool = False) -> None:
+        """A hit prefix, touched as a whole, head newest (RAM has nothing to persist)."""
+        with self.backend._lock:
+            self.backend._order.chain([(self.namespace, key) for key in keys])
+
+    def unreachable(self) -> int:
+        """Records of this namespace no lookup can reach in this tier alone."""
+        with self.backend._lock:
+            return self.backend._order.unreachable(lambda entry: entry[0] == self.namespace)
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.usage())
+        with self.backend._lock:
+            out.update(hits=self.hits, misses=self.misses, evictions=self.evictions, corrupt=self.corrupt,
+                       evicted_capacity=self.evictions, chain_refused=self.chain_refused)
+        out["unreachable"] = self.unreachable()
+        return out
+
     def delete(self, key: str) -> bool:
         with self.backend._lock:
             return self.backend._remove(self.namespace, key)
@@ -220,8 +272,7 @@ class HostStore(Store):
         with self.backend._lock:
             return {"records": self._records, "bytes": self._bytes}
 
-    def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = dict(self.usage())
-        out.update(hits=self.hits, misses=self.misses, evictions=self.evictions, corrupt=self.corrupt,
-                   evicted_capacity=self.evictions)
-        return out
+
+def _chain_broken(key: str) -> NoSpace:
+    return NoSpace("the record before this one in its chain was evicted; storing it would waste the space",
+                   key=key, tier="host")

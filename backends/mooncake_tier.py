@@ -22,7 +22,7 @@ Health: Mooncake's client retries and waits internally (a call against a hung ma
 its RPC timeout). The backend sets that timeout from the URL (``MC_RPC_TIMEOUT_MS``, only where
 the environment does not already set it), checks the master's port with a plain TCP connect
 before ``setup`` (so a dead master costs a refused connect, not Mooncake's minutes of setup
-retries), and sends every failure through the shared :class:`~kvswap.backends.remote.HealthGate`.
+retries), and sends every failure through the shared :class:`~kvswap.backends.remote_base.HealthGate`.
 The client re-registers with a restarted master by itself; the master's object map does not
 survive a restart, so records stored before it are misses afterwards.
 """
@@ -45,7 +45,8 @@ from kvswap.protocol.errors import Corrupt, IOFailure, KvswapError, NoSpace
 
 from . import record
 from .base import Backend, GetStatus
-from .remote import GatedHealth, HealthGate, MooncakeSpec, RemoteStoreBase
+from .remote_base import GatedHealth, HealthGate, RemoteStoreBase
+from .remote_url import MooncakeSpec
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def _local_address_towards(host: str, port: int) -> str:
 
 
 class MooncakeBackend(GatedHealth, Backend):
-    """``mooncake://``. Connects (``setup``) on first use or :meth:`check`."""
+    """``mooncake://``. Connects (``setup``) on first use or :meth:`probe`."""
 
     tier = "remote"
 
@@ -119,7 +120,7 @@ class MooncakeBackend(GatedHealth, Backend):
         self.url = spec.redacted()
         self.master = f"{spec.master_host}:{spec.master_port}"
         self.local_host = spec.local_host or _local_address_towards(spec.master_host, spec.master_port)
-        self.gate = HealthGate(self.url, self._probe, backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
+        self.gate = HealthGate(self.url, self._reach, backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
                                clock=clock)
         self._client: Any = None
         self._set_up = False
@@ -133,10 +134,10 @@ class MooncakeBackend(GatedHealth, Backend):
     # -- health ---------------------------------------------------------------------------------
 
     def probe(self) -> bool:
-        """Probe the master now (see :meth:`HealthGate.check`); returns ``healthy``."""
-        return self.gate.check()
+        """Probe the master now (see :meth:`HealthGate.probe`); returns ``healthy``."""
+        return self.gate.probe()
 
-    def _probe(self) -> None:
+    def _reach(self) -> None:
         # A refused or silent port fails here within connect_timeout, before Mooncake's own
         # (much longer) connect retries get a chance to block this thread.
         with socket.create_connection((self.spec.master_host, self.spec.master_port), self.spec.connect_timeout):

@@ -34,6 +34,7 @@ import xxhash
 from kvswap.protocol.errors import Corrupt
 from kvswap.protocol.layout import RECORD_FORMAT
 from kvswap.protocol.limits import MAX_KEY_LENGTH
+from kvswap.protocol.units import PAGE_BYTES
 
 MAGIC: Final = b"KVSR"
 #: One constant for the format: it is in every header and in every namespace fingerprint, so a
@@ -45,7 +46,8 @@ _FIXED = struct.Struct("<4sHHI16sQQQH6x128s")
 _HEADER_CHECKSUM = struct.Struct("<Q")
 HEADER_CORE_BYTES: Final = _FIXED.size + _HEADER_CHECKSUM.size  # 196
 SMALL_HEADER: Final = 256
-ALIGNED_HEADER: Final = 4096
+#: One page, so a large record's payload starts page aligned (O_DIRECT reads it in place).
+ALIGNED_HEADER: Final = PAGE_BYTES
 #: Payloads from this size on get a page-sized header so the payload is page aligned.
 ALIGN_PAYLOAD_FROM: Final = 64 * 1024
 

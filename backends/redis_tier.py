@@ -5,7 +5,7 @@ of a record file, under ``kvswap/<namespace>/<key>``. A read checks header and c
 the file tier, and a record that fails is deleted and reported ``corrupt``.
 
 Every socket has a timeout and redis-py's own retries are off: a failure goes to the
-:class:`~kvswap.backends.remote.HealthGate`, which marks the tier unhealthy, makes later calls
+:class:`~kvswap.backends.remote_base.HealthGate`, which marks the tier unhealthy, makes later calls
 fail fast with ``Unavailable`` and re-probes with ``PING`` after its backoff. Batches of small
 records go out as pipelines (one round trip), cut so that one carries at most ``PIPELINE_BYTES``;
 records of ``PIPELINE_BYTES`` and more go one command each.
@@ -31,7 +31,8 @@ from kvswap.protocol.errors import Corrupt, IOFailure, NoSpace
 
 from . import record
 from .base import Backend, GetStatus
-from .remote import GatedHealth, HealthGate, RedisSpec, RemoteStoreBase
+from .remote_base import GatedHealth, HealthGate, RemoteStoreBase
+from .remote_url import RedisSpec
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ _UNREACHABLE: Final = (rex.ConnectionError, rex.TimeoutError, rex.ClusterDownErr
 
 
 class RedisBackend(GatedHealth, Backend):
-    """``redis://`` and ``redis+cluster://``. Connects on first use (or :meth:`check`)."""
+    """``redis://`` and ``redis+cluster://``. Connects on first use (or :meth:`probe`)."""
 
     tier = "remote"
 
@@ -59,7 +60,7 @@ class RedisBackend(GatedHealth, Backend):
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.spec = spec
         self.url = spec.redacted()
-        self.gate = HealthGate(self.url, self._probe, backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
+        self.gate = HealthGate(self.url, self._reach, backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
                                clock=clock)
         self._client: Any = None
         self._client_lock = threading.Lock()
@@ -67,10 +68,10 @@ class RedisBackend(GatedHealth, Backend):
     # -- health ---------------------------------------------------------------------------------
 
     def probe(self) -> bool:
-        """Probe the server now (see :meth:`HealthGate.check`); returns ``healthy``."""
-        return self.gate.check()
+        """Probe the server now (see :meth:`HealthGate.probe`); returns ``healthy``."""
+        return self.gate.probe()
 
-    def _probe(self) -> None:
+    def _reach(self) -> None:
         with self._client_lock:
             if self._client is None:
                 self._client = self._make_client()

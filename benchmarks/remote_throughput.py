@@ -202,7 +202,7 @@ def warm_pool(client, segment_bytes: int) -> None:
 def mooncake_rows(table: Table, url: str, sizes: list[int], mib: int, batch: int, repeat: int) -> None:
     backend = open_remote(url)
     segment_bytes = parse_remote_url(url).segment
-    assert backend.check(), f"mooncake master unreachable: {backend.gate.last_error}"
+    assert backend.probe(), f"mooncake master unreachable: {backend.gate.last_error}"
     client = backend._client  # the store's own client, for the plain rows
     staging = np.zeros(2 * batch * max(sizes), dtype=np.uint8)  # stands in for the daemon's staging pool
     backend.register_buffer(staging)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import difflib
 import logging
 import os
-import re
 import sys
 from typing import Any, Sequence
 
@@ -20,31 +19,13 @@ import click
 from kvswap import __version__
 
 from .config import OTHER_ENV_VARS, Config, ConfigError, default_storage_dir
-from .config_file import FILE_VALUES_KEY, load_config_option, print_config, value_source
+# BYTES, the flags' size type, lives in config_file (which checks a file's sizes with it);
+# tools and tests import it from here, with the flags.
+from .config_file import BYTES, FILE_VALUES_KEY, load_config_option, print_config, value_source
 from .logs import LOG_FORMATS, configure_logging
 
 log = logging.getLogger("kvswap.daemon")
 
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
-
-
-class ByteSize(click.ParamType):
-    """``268435456``, ``256M``, ``256MiB`` and ``256MB`` all mean 256 * 2**20 bytes."""
-
-    name = "bytes"
-
-    def convert(self, value, param, ctx):  # type: ignore[override]
-        if isinstance(value, int):
-            return value
-        match = _SIZE_RE.match(str(value))
-        if not match:
-            self.fail(f"{value!r} is not a size such as 4096, 256M or 2GiB", param, ctx)
-        unit = (match.group(2) or "").lower()[:1]
-        return int(match.group(1)) * _UNITS[unit]
-
-
-BYTES = ByteSize()
 _DEFAULTS = Config(storage_dir="")
 
 
@@ -169,6 +150,8 @@ def _config_error(ctx: click.Context, exc: ValueError, effective: dict[str, Any]
               help="Copy records found in a lower tier into the host tier.")
 @click.option("--remote-check-interval-s", type=click.FloatRange(0.1), default=_DEFAULTS.remote_check_interval_s,
               help="How often the remote tier's health is probed in the background.")
+@click.option("--ready-when-degraded/--no-ready-when-degraded", default=_DEFAULTS.ready_when_degraded,
+              help="Answer /readyz 200 even while a store or retrieve location (the remote tier) cannot serve.")
 @click.option("--write-threads", type=click.IntRange(1, 256), default=_DEFAULTS.write_threads,
               help="Threads writing records.")
 @click.option("--read-threads", type=click.IntRange(1, 256), default=_DEFAULTS.read_threads,

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 from kvswap.backends.file_store import DIRECT_IO_MODES, FSYNC_MODES
 from kvswap.protocol.limits import DEFAULT_TIMEOUT_MS
+from kvswap.protocol.units import PAGE_BYTES
 
 MiB = 1024 * 1024
 
@@ -87,6 +88,9 @@ class Config:
     promote_to_host: bool = True
     #: How often an unhealthy (or healthy) remote tier is probed in the background.
     remote_check_interval_s: float = 2.0
+    #: /readyz answers 200 while a store or retrieve location cannot serve (the remote tier is
+    #: unreachable): for operators who prefer degraded serving to being taken out of rotation.
+    ready_when_degraded: bool = False
     #: Threads writing records. Writes of separate files overlap well on SSDs and network
     #: file systems (four threads measured 4.5x one thread here with fsync on).
     write_threads: int = 4
@@ -136,8 +140,8 @@ class Config:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         for name in ("write_staging_bytes", "read_staging_bytes"):
-            if getattr(self, name) < 4096:
-                raise ValueError(f"{name} must be at least 4096")
+            if getattr(self, name) < PAGE_BYTES:
+                raise ValueError(f"{name} must be at least {PAGE_BYTES}")
         if self.direct_io not in DIRECT_IO_MODES:
             raise ValueError(f"direct_io must be one of {', '.join(DIRECT_IO_MODES)}, got {self.direct_io!r}")
         if self.storage_max_bytes < 0 or self.storage_min_free_bytes < 0:

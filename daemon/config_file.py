@@ -28,10 +28,31 @@ from urllib.parse import urlsplit, urlunsplit
 import click
 from click.core import ParameterSource
 
+from kvswap.protocol.units import parse_size
+
 try:
     import tomllib
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     tomllib = None  # type: ignore[assignment]
+
+
+#: The size type of kvswapd's flags. It lives here, not in cli.py, because a file's size values
+#: are type-checked against it below and cli.py imports this module (no import cycle).
+class ByteSize(click.ParamType):
+    """A size as :func:`kvswap.protocol.units.parse_size` reads it (the rule remote URLs use
+    too): ``268435456``, ``256M``, ``256MiB`` and ``256MB`` all mean 256 * 2**20 bytes."""
+
+    name = "bytes"
+
+    def convert(self, value, param, ctx):  # type: ignore[override]
+        try:
+            return parse_size(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+BYTES = ByteSize()
+
 
 #: Options about the configuration itself; they cannot be set from the file.
 NOT_IN_FILE: Final = frozenset({"config", "print_config"})
@@ -119,8 +140,6 @@ def _wrong_toml_type(param: click.Parameter, value: Any) -> str:
     leniently (int(2.7) is 2, "55500" is a port, "no" is false), which suits strings from a
     command line or an environment variable, but a file has types, and a wrong one is a
     mistake to report rather than to guess at."""
-    from .cli import ByteSize  # the size type lives with the flags
-
     kind = param.type
     if getattr(param, "is_flag", False) or isinstance(kind, click.types.BoolParamType):
         return "" if isinstance(value, bool) else "expected true or false"

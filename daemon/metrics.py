@@ -94,11 +94,15 @@ class StoreCollector:
         "scan_records": ("kvswap_index_scan_records", "Records the latest directory scan has counted so far."),
         "scan_seconds": ("kvswap_index_scan_seconds", "Duration of the start-up scan."),
         "stuck": ("kvswap_stuck_records", "Records that could not be deleted and are no longer offered for eviction."),
+        "unreachable": ("kvswap_unreachable_records",
+                        "Stored records no lookup can reach: their chain lost a record before them."),
     }
     COUNTERS = {
         "eviction_failures": ("kvswap_eviction_failures", "Records eviction could not delete."),
         "temp_reclaimed": ("kvswap_temp_files_reclaimed", "Temp files of dead writers removed at start-up."),
         "enospc_retries": ("kvswap_enospc_retries", "Writes that hit a full disk, evicted and retried."),
+        "chain_refused": ("kvswap_chain_refused_records",
+                          "swap_out records not written because the record before them in their chain was evicted."),
     }
     EVICTION_REASONS = ("capacity", "min_free", "enospc")
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 from typing import TYPE_CHECKING, Any, Sequence
 
+from kvswap.backends.disk import pid_alive
 from kvswap.protocol.errors import InvalidLayout, NotRegistered, OutOfRange
-from kvswap.protocol.layout import CacheLayout
+from kvswap.protocol.layout import CacheLayout, int_field
 from kvswap.protocol.shm import SharedSegment
 
 from .movers.base import Mover
@@ -31,13 +31,6 @@ if TYPE_CHECKING:
     from .tiers import NamespaceTiers
 
 log = logging.getLogger(__name__)
-
-
-def _int_field(entry: dict[str, Any], name: str, where: str, minimum: int = 0) -> int:
-    value = entry.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum or value >= 2**62:
-        raise InvalidLayout(f"{where}.{name} must be an integer >= {minimum}", field=f"{where}.{name}")
-    return value
 
 
 class Lease:
@@ -125,7 +118,7 @@ class Registration:
         segments: list[SharedSegment] = []
         try:
             for i, handle in enumerate(handles):
-                declared = _int_field(handle, "size", f"handles[{i}]", 1)
+                declared = int_field(handle, "size", f"handles[{i}]", 1)
                 segment = SharedSegment.attach(handle.get("name"), mapped=False)  # type: ignore[arg-type]
                 segments.append(segment)
                 if segment.size < declared:
@@ -154,11 +147,11 @@ class Registration:
             if entry.get("name") != region.name:
                 raise InvalidLayout(f"{where} must be {region.name!r}, got {str(entry.get('name'))[:32]!r}",
                                     field=f"{where}.name")
-            handle = _int_field(entry, "handle", where)
+            handle = int_field(entry, "handle", where)
             if handle >= len(handles):
                 raise InvalidLayout(f"{where}.handle {handle} does not exist", field=f"{where}.handle")
-            stride = _int_field(entry, "stride", where, region.block_bytes)
-            offset = _int_field(entry, "offset", where)
+            stride = int_field(entry, "stride", where, region.block_bytes)
+            offset = int_field(entry, "offset", where)
             placements.append(Placement(region.name, handle, offset, stride, region.block_bytes, region.record_offset))
         return placements
 
@@ -204,15 +197,7 @@ class Registration:
                                  index=i, block_id=block, num_blocks=limit)
 
     def engine_alive(self) -> bool:
-        if self.pid <= 0:
-            return True
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return self.pid <= 0 or pid_alive(self.pid)
 
     def close(self) -> None:
         """Let go of the engine's memory (blocking: the mover waits for copies in progress)."""

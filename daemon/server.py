@@ -52,8 +52,9 @@ from .curve import CurveError, CurveServer
 from .metrics import HealthServer, Metrics
 from .registrar import Caller
 from .signals import SignalCapture
+from .staging import slot_bytes_for
 from .swapper import Deadline, Swapper
-from .tiers import open_backends
+from .tiers import open_backends, unready_locations
 
 log = logging.getLogger("kvswap.daemon")
 
@@ -89,8 +90,10 @@ class Daemon:
         #: The file tier: the daemon always has one; its directory is the daemon's storage dir.
         self.backend = self.backends["file"]
         self.swapper = Swapper(config, self.backends, config.locations(), self.metrics)
-        self.health = HealthServer(self.metrics, ready=lambda: self.serving)
+        self.health = HealthServer(self.metrics, ready=self.ready)
         self.serving = False
+        #: Tiers /readyz last found unable to serve (logged when it changes).
+        self._unready: list[str] = []
         #: Set by the first signal (or ``request_exit``): drain and stop.
         self.should_exit = False
         #: Set by a second signal: stop now.
@@ -109,6 +112,21 @@ class Daemon:
         self.control_port = config.cache_queue_port
         #: Set once start-up succeeded: a failed start-up says only why, not "stopped".
         self._started = False
+
+    def ready(self) -> bool:
+        """/readyz: serving, and every store and retrieve location can serve, unless
+        ``ready_when_degraded``. A change is logged once, naming the tiers."""
+        if not self.serving:
+            return False
+        unready = unready_locations(self.backends, self.swapper.locations)
+        if unready != self._unready:
+            self._unready = unready
+            if unready:
+                log.warning("not ready: location(s) %s cannot serve%s", ", ".join(unready),
+                            " (ready anyway: ready_when_degraded)" if self.config.ready_when_degraded else "")
+            else:
+                log.info("ready: every store and retrieve location can serve")
+        return self.config.ready_when_degraded or not unready
 
     # -- the three phases ---------------------------------------------------------------------------
 
@@ -177,7 +195,7 @@ class Daemon:
         log.info("open-files limit %d (%d open, %d kept in reserve)", fd_limit, fds.open_count(), fds.RESERVE)
         locations = self.swapper.locations
         log.info("tiers: %s; store to %s; retrieve from %s%s", ", ".join(
-            getattr(b, "url", None) or (b.root if hasattr(b, "root") else name) for name, b in self.backends.items()),
+            b.url or (self.backend.root if b is self.backend else name) for name, b in self.backends.items()),
             ",".join(locations.store), ",".join(locations.retrieve), "; promote to host" if locations.promote else "")
 
     def request_exit(self) -> None:
@@ -430,7 +448,7 @@ class Daemon:
         # pool, so a layout with huge records (over a sparse segment that costs its sender
         # nothing) would make the daemon allocate and touch that much memory twice over.
         layout = CacheLayout.from_wire(request.layout)
-        slot = -(-layout.record_bytes // 4096) * 4096
+        slot = slot_bytes_for(layout.record_bytes)
         budget = min(self.config.write_staging_bytes, self.config.read_staging_bytes)
         if slot > budget:
             raise InvalidLayout(f"a record of {layout.record_bytes} bytes does not fit in the staging memory of "

@@ -25,15 +25,19 @@ import numpy as np
 from kvswap.backends.base import Backend
 from kvswap.backends.disk import aligned_empty
 from kvswap.protocol.errors import Busy, TooLarge
+from kvswap.protocol.units import PAGE_BYTES, round_up_to_page
 
 from .metrics import Metrics
 from .movers.base import Mover
 
-__all__ = ["ALIGN", "Slot", "Staging", "StagingPool", "aligned_empty"]
+__all__ = ["Slot", "Staging", "StagingPool", "aligned_empty", "slot_bytes_for"]
 
 log = logging.getLogger(__name__)
 
-ALIGN = 4096
+
+def slot_bytes_for(record_bytes: int) -> int:
+    """Bytes one staging slot takes for a record: whole pages, so every slot starts aligned."""
+    return round_up_to_page(record_bytes)
 
 
 class Slot:
@@ -69,10 +73,10 @@ class StagingPool:
     def __init__(self, record_bytes: int, budget_bytes: int, name: str = "staging") -> None:
         self.name = name
         self.record_bytes = record_bytes
-        self.slot_bytes = (record_bytes + ALIGN - 1) // ALIGN * ALIGN
+        self.slot_bytes = slot_bytes_for(record_bytes)
         self.capacity = max(1, budget_bytes // self.slot_bytes)
         self.arena = aligned_empty(self.capacity * self.slot_bytes)
-        self.arena[:: 4096] = 0  # fault every page in now, not during a swap
+        self.arena[::PAGE_BYTES] = 0  # fault every page in now, not during a swap
         self._slots = [
             Slot(self, i, self.arena[i * self.slot_bytes : i * self.slot_bytes + record_bytes])
             for i in range(self.capacity)

@@ -24,6 +24,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
@@ -38,7 +39,7 @@ from .registrar import ANONYMOUS, Caller, Registrar
 from .registration import Lease, Registration
 from .staging import Slot, Staging
 from .tiers import Locations, NamespaceTiers
-from .upkeep import Upkeep
+from .upkeep import Upkeep, log_failure
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -238,9 +239,12 @@ class Swapper:
         """Wait for each chunk of writes; its records' in-flight entries go when it ends.
         Returns the per-record outcomes of the records copied."""
 
+        failures: Counter[tuple[str, str, str]] = Counter()
+
         async def finish(start: int, stop: int, write: Future) -> list[str]:
             try:
-                outcomes = await asyncio.wrap_future(write)
+                outcomes, chunk_failures = await asyncio.wrap_future(write)
+                failures.update(chunk_failures)
             except Exception:  # _write_chunk answers per record; this is a bug
                 log.exception("writes of %d records failed", stop - start)
                 outcomes = ["internal"] * (stop - start)
@@ -251,6 +255,10 @@ class Swapper:
             return outcomes
 
         results = await asyncio.gather(*(finish(start, stop, write) for start, stop, write in chunks))
+        if failures:  # one line per request, not one per key
+            log.warning("swap_out: %d of %d records not stored: %s", sum(failures.values()), len(entries),
+                        "; ".join(f"tier {tier or '?'}: {code} x{n} ({reason})"
+                                  for (tier, code, reason), n in failures.most_common(4)))
         return [outcome for chunk in results for outcome in chunk]
 
     # -- swap_in ----------------------------------------------------------------------------------
@@ -327,6 +335,8 @@ class Swapper:
             if s != "loaded":
                 break
             loaded += 1
+        if loaded:
+            self._read_pool.submit(tiers.touch_chain, keys[:loaded], True).add_done_callback(log_failure)  # type: ignore[union-attr]
         for s in status:
             self.metrics.blocks.labels(op="swap_in", status=s).inc()
         self.metrics.bytes.labels(direction="in").inc(status.count("loaded") * registration.record_bytes)
@@ -351,6 +361,8 @@ class Swapper:
         hits = tiers.cached_prefix(keys, inflight)
         if hits < len(keys):
             hits += await self._run(self._read_pool, tiers.prefix, keys[hits:], set(inflight))
+        if hits:
+            self._read_pool.submit(tiers.touch_chain, keys[:hits]).add_done_callback(log_failure)  # type: ignore[union-attr]
         self.metrics.lookup_keys.labels(result="hit").inc(hits)
         self.metrics.lookup_keys.labels(result="miss").inc(len(keys) - hits)
         return {"hits": hits}
@@ -403,6 +415,7 @@ class Swapper:
 
 
 def _not_stored(tiers: NamespaceTiers, keys: Sequence[str], todo: list[int]) -> list[int]:
+    tiers.expect_chain(keys)  # first: a chain's stamps make its tail older than its head
     return [i for i in todo if not tiers.stored_everywhere(keys[i])]
 
 
@@ -461,20 +474,22 @@ def _gather_and_submit(registration: Registration, block_ids: list[int], slots: 
     return chunks, None
 
 
-def _write_chunk(tiers: NamespaceTiers, items: list[tuple[str, memoryview]]) -> list[str]:
+def _write_chunk(tiers: NamespaceTiers, items: list[tuple[str, memoryview]]) -> tuple[list[str], Counter]:
     """Write a few records on one write thread: one loop wake-up per chunk, not per record.
-    Each record's outcome is its own ("stored" or an error code)."""
+    Each record's outcome is its own ("stored" or an error code); failures are counted by
+    (tier, code, reason) for the request's one log line."""
     outcomes = []
+    failures: Counter[tuple[str, str, str]] = Counter()
     for key, payload in items:
         try:
             outcomes.append(tiers.write(key, payload))
         except KvswapError as exc:
-            log.warning("write of %s failed: %s", key, exc.message)
+            failures[(str(exc.details.get("tier", "")), exc.code, str(exc.details.get("reason", exc.message)))] += 1
             outcomes.append(exc.code)
         except Exception:
             log.exception("write of %s failed", key)
             outcomes.append("internal")
-    return outcomes
+    return outcomes, failures
 
 
 def _scatter_many(registration: Registration, block_ids: list[int], slots: list[Any],

@@ -119,6 +119,16 @@ class NamespaceTiers:
                 return i
         return len(keys)
 
+    def expect_chain(self, keys: Sequence[str]) -> None:
+        """Before a swap_out writes: ``keys`` are one chain, head first (see backends/chains.py)."""
+        for store in self.store_to:
+            store.expect_chain(keys)
+
+    def touch_chain(self, keys: Sequence[str], persist: bool = False) -> None:
+        """A hit prefix (lookup; swap_in with ``persist``), touched as a whole in every tier."""
+        for store in self.stores.values():
+            store.touch_chain(keys, persist)
+
     def _contains(self, store: Store, key: str) -> bool:
         try:
             return store.contains(key)
@@ -130,7 +140,7 @@ class NamespaceTiers:
     def write(self, key: str, payload: memoryview) -> str:
         """Store one record in every store location. "stored" only when all have it; else the
         first failure's code (the record may be in the other tiers)."""
-        outcome = "stored"
+        failure: KvswapError | None = None
         for store in self.store_to:
             started = time.perf_counter()
             try:
@@ -138,11 +148,12 @@ class NamespaceTiers:
                 self._count(store, "put", "ok", started, len(payload), "write")
             except KvswapError as exc:
                 self._count(store, "put", exc.code, started)
-                if outcome == "stored":
-                    outcome = exc.code
-        if outcome != "stored":
-            raise _failure(outcome, key)
-        return outcome
+                if failure is None:
+                    failure = exc
+                    failure.details.setdefault("tier", store.tier)
+        if failure is not None:
+            raise _failure(failure, key)
+        return "stored"
 
     def read(self, key: str, out: memoryview) -> tuple[str, str | None]:
         """Load one record into ``out`` from the first retrieve tier that has a good copy.
@@ -192,11 +203,19 @@ class NamespaceTiers:
             store.close()
 
 
-def _failure(code: str, key: str) -> KvswapError:
+def _failure(cause: KvswapError, key: str) -> KvswapError:
+    """The error of a record missing from a store location: the first tier's code, and that
+    tier and its reason in the details (the swapper logs them once per request)."""
     from kvswap.protocol.errors import ERRORS_BY_CODE
 
-    cls = ERRORS_BY_CODE.get(code, IOFailure)
-    return cls(f"the record of {key} was not stored in every store location", key=key)
+    cls = ERRORS_BY_CODE.get(cause.code, IOFailure)
+    return cls(f"the record of {key} was not stored in every store location", key=key,
+               tier=cause.details.get("tier", ""), reason=cause.message)
+
+
+def unready_locations(backends: dict[str, Backend], locations: Locations) -> list[str]:
+    """The store and retrieve locations whose tier cannot serve now (what /readyz reports)."""
+    return [tier for tier in dict.fromkeys(locations.store + locations.retrieve) if not backends[tier].healthy]
 
 
 def open_backends(config: Any) -> dict[str, Backend]:

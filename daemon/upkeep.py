@@ -68,7 +68,7 @@ class Upkeep:
         if now - self._last_health_check >= self.health_interval_s:
             self._last_health_check = now
             for backend in self.backends:
-                asyncio.ensure_future(self._run(self._health_pool, backend.probe)).add_done_callback(_log_failure)
+                asyncio.ensure_future(self._run(self._health_pool, backend.probe)).add_done_callback(log_failure)
         for store in self.registrar.open_stores():
             await self._run(self._maintenance_pool, store.maintain)
 
@@ -80,6 +80,7 @@ class Upkeep:
             await self.registrar.release(registration, "engine_exited")
 
 
-def _log_failure(fut: "asyncio.Future") -> None:
+def log_failure(fut: "asyncio.Future") -> None:
+    """Done-callback of background work (probes, chain touches): a failure is logged, not lost."""
     if not fut.cancelled() and fut.exception() is not None:
         log.warning("background task failed: %s", fut.exception())

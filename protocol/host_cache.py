@@ -15,15 +15,14 @@ import numpy as np
 
 from .layout import CacheLayout
 from .shm import SharedSegment
+from .units import round_up_to_page
 
 NUMPY_DTYPES = {"float16": np.float16, "bfloat16": np.uint16, "uint8": np.uint8, "float32": np.float32}
 
-#: Tensors start on page boundaries, as a GPU allocator would place them.
-_TENSOR_ALIGN = 4096
 
-
-def _align(n: int, to: int = _TENSOR_ALIGN) -> int:
-    return (n + to - 1) // to * to
+def _align(n: int) -> int:
+    """Tensors start on page boundaries, as a GPU allocator would place them."""
+    return round_up_to_page(n)
 
 
 class HostKVCache:

@@ -46,6 +46,25 @@ MAX_FIELD: Final[dict[str, int]] = {"num_blocks": MAX_BLOCK_ID + 1, "num_layers"
 #: records of an older format are simply never found rather than misread.
 RECORD_FORMAT: Final = 1
 
+#: No integer an engine sends about its cache (a count, a size, an offset, a stride, a device)
+#: reaches this: byte arithmetic on it stays inside int64, numpy's index type.
+FIELD_INT_LIMIT: Final = 2**62
+
+
+def require_int(name: str, value: Any, minimum: int = 0, maximum: int = FIELD_INT_LIMIT - 1) -> int:
+    """``value`` if it is an integer (not a bool) in ``minimum..maximum`` (at most
+    ``FIELD_INT_LIMIT-1``), else ``InvalidLayout`` naming the field. The one integer check for
+    layout and registration fields (the layout's own, handles, regions, CUDA handles)."""
+    maximum = min(maximum, FIELD_INT_LIMIT - 1)
+    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= maximum:
+        raise InvalidLayout(f"{name} must be an integer in {minimum}..{maximum}", field=name)
+    return value
+
+
+def int_field(entry: dict[str, Any], name: str, where: str, minimum: int = 0) -> int:
+    """``entry[name]`` checked by :func:`require_int`, named ``<where>.<name>`` in the error."""
+    return require_int(f"{where}.{name}", entry.get(name), minimum)
+
 
 @dataclass(frozen=True)
 class Region:
@@ -171,9 +190,7 @@ class CacheLayout:
 
     def _validate(self) -> None:
         def positive(name: str, value: Any, minimum: int = 1) -> None:
-            limit = MAX_FIELD.get(name, MAX_DIMENSION)
-            if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= limit:
-                raise InvalidLayout(f"{name} must be an integer in {minimum}..{limit}", field=name)
+            require_int(name, value, minimum, MAX_FIELD.get(name, MAX_DIMENSION))
 
         if not isinstance(self.model_id, str) or not 0 < len(self.model_id) <= 256:
             raise InvalidLayout("model_id must be a non-empty string of at most 256 characters")

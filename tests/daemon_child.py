@@ -30,9 +30,9 @@ def main(port: int, metrics_port: int, storage_dir: str, mode: str) -> int:
         never = threading.Event()
         write_file = Disk.write_file
 
-        def held(self, tmp: str, final: str, parts: list) -> int:
+        def held(self, tmp: str, final: str, parts: list, mtime_ns: int | None = None) -> int:
             if not final.endswith(RECORD_SUFFIX):  # namespace.json and the like go through
-                return write_file(self, tmp, final, parts)
+                return write_file(self, tmp, final, parts, mtime_ns)
             print("write held", flush=True)
             never.wait()
             return 0

@@ -6,15 +6,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvswap.daemon.tools.local_daemon import free_port, spawn_kvswapd, stop_process  # noqa: F401  (free_port: for tests)
 from kvswap.protocol import Client
 
 
@@ -22,12 +21,6 @@ from kvswap.protocol import Client
 #: (Redis, Mooncake's libibverbs, promtool, the test extra's packages). Under CI=true such a
 #: skip is a failure (tests/conftest.py): CI installed the component, so a skip means it broke.
 INSTALLED_BY_TEST_SETUP = "scripts/test.sh installs it"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -53,11 +46,8 @@ class DaemonProcess:
         assert self.proc is None or self.proc.poll() is not None, "already running"
         self.log_path = self.storage_dir.parent / f"kvswapd-{self.port}.log"
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvswap.daemon", "--cache-queue-port", str(self.port), "--metrics-port",
-             str(self.metrics_port), "--storage-dir", str(self.storage_dir), "--engine-check-interval-s", "0.2",
-             *self.extra_args],
-            stdout=log, stderr=log)
+        self.proc = spawn_kvswapd(self.port, self.metrics_port, str(self.storage_dir),
+                                  ["--engine-check-interval-s", "0.2", *self.extra_args], log)
         log.close()
         with Client(self.endpoint, timeout=2, **self.client_options) as c:
             try:
@@ -104,15 +94,7 @@ class DaemonProcess:
         return self.metric_sum("kvswap_requests_total")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        return None if self.proc is None else stop_process(self.proc, sig, timeout)
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)

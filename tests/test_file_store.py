@@ -542,9 +542,9 @@ class RecordingDisk(Disk):
         super().__init__("none")
         self.tmp_seen: list[str] = []
 
-    def write_file(self, tmp, final, parts):
+    def write_file(self, tmp, final, parts, **options):
         self.tmp_seen.append(tmp)
-        return super().write_file(tmp, final, parts)
+        return super().write_file(tmp, final, parts, **options)
 
 
 def test_temp_file_is_named_for_its_writer_and_removed_on_failure(root, monkeypatch):
@@ -685,10 +685,20 @@ class FileStoreModel(RuleBasedStateMachine):
 
     @rule(k=st.integers(0, MODEL_KEYS - 1))
     def contains(self, k: int) -> None:
+        # An existence check alone (swap_out asks it of every key) is not a use: it must not
+        # refresh recency, or a chain checked head first would end with its tail newest.
+        key = self.keys[k]
+        assert self.store.contains(key) is (key in self.model)
+
+    @rule(k=st.integers(0, MODEL_KEYS - 1))
+    def lookup(self, k: int) -> None:
+        # A lookup is a use: the daemon counts the hit prefix, then touches it as a whole
+        # (Swapper.lookup -> touch_chain), which refreshes recency like a read.
         key = self.keys[k]
         assert self.store.contains(key) is (key in self.model)
         if key in self.model:
-            self._use(key)  # a lookup is a use: it refreshes recency like a read
+            self.store.touch_chain([key])
+            self._use(key)
 
     @rule(k=st.integers(0, MODEL_KEYS - 1))
     def delete(self, k: int) -> None:

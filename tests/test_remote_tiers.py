@@ -188,7 +188,7 @@ def test_gate_lets_one_thread_reprobe_while_the_others_fail_fast():
     assert entered.wait(10)
     with pytest.raises(Unavailable):
         gate.admit()
-    assert gate.check() is False  # a probe is running: check does not start another
+    assert gate.probe() is False  # a probe is running: check does not start another
     release.set()
     prober.join(10)
     assert (len(calls), gate.healthy) == (2, True)
@@ -220,13 +220,13 @@ def test_operations_wait_for_the_first_connect_instead_of_failing():
 def test_gate_check_notices_an_outage_while_healthy():
     clock, probe = FakeClock(), Probe()
     gate = HealthGate("t", probe, clock=clock)
-    assert gate.check() is True
+    assert gate.probe() is True
     probe.fail = True
-    assert gate.check() is False
-    assert gate.check() is False and probe.calls == 2  # backoff not over: no probe
+    assert gate.probe() is False
+    assert gate.probe() is False and probe.calls == 2  # backoff not over: no probe
     probe.fail = False
     clock.advance(0.5)
-    assert gate.check() is True and gate.reconnects == 1
+    assert gate.probe() is True and gate.reconnects == 1
 
 
 # -- adapters against real servers ------------------------------------------------------------

@@ -3,11 +3,12 @@ pitched driver copies on a GPU; :class:`HostCopier` is the CPU twin)."""
 
 import ctypes
 import logging
-from typing import Any, Final, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from kvswap.protocol.cuda_export import CudaError
+from kvswap.protocol.units import PAGE_BYTES
 
 from .gpu_plan import (
     SlotRun,
@@ -16,7 +17,6 @@ from .gpu_plan import (
 
 log = logging.getLogger(__name__)
 
-PAGE: Final = 4096
 
 
 def host_view(address: int, nbytes: int) -> np.ndarray:
@@ -73,8 +73,8 @@ def _owner(array: np.ndarray) -> np.ndarray:
 
 def _inner_pages(address: int, nbytes: int) -> tuple[int, int]:
     """The whole pages inside ``[address, address + nbytes)``: (start, length)."""
-    start = (address + PAGE - 1) // PAGE * PAGE
-    end = (address + nbytes) // PAGE * PAGE
+    start = (address + PAGE_BYTES - 1) // PAGE_BYTES * PAGE_BYTES
+    end = (address + nbytes) // PAGE_BYTES * PAGE_BYTES
     return start, max(0, end - start)
 
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from kvswap.protocol.cuda_export import HANDLE_KIND, IPC_HANDLE_BYTES
 from kvswap.protocol.errors import InvalidLayout
+from kvswap.protocol.layout import int_field
 
 from .copy_plan import Placement, PlanArrays
 
@@ -52,13 +53,6 @@ class IpcHandleSpec:
     device_uuid: str | None
 
 
-def _int(entry: dict[str, Any], name: str, where: str, minimum: int) -> int:
-    value = entry.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value < 2**62:
-        raise InvalidLayout(f"{where}.{name} must be an integer >= {minimum}", field=f"{where}.{name}")
-    return value
-
-
 def parse_cuda_handles(handles: Sequence[dict[str, Any]]) -> list[IpcHandleSpec]:
     """Check every field of every ``cuda_ipc`` handle before anything is opened."""
     specs = []
@@ -75,7 +69,8 @@ def parse_cuda_handles(handles: Sequence[dict[str, Any]]) -> list[IpcHandleSpec]
         if uuid is not None and (not isinstance(uuid, str) or _UUID_RE.fullmatch(uuid) is None):
             raise InvalidLayout(f"{where}.device_uuid must look like GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx",
                                 field=f"{where}.device_uuid")
-        specs.append(IpcHandleSpec(i, bytes(raw), _int(h, "size", where, 1), _int(h, "device", where, 0), uuid))
+        size, device = int_field(h, "size", where, 1), int_field(h, "device", where, 0)
+        specs.append(IpcHandleSpec(i, bytes(raw), size, device, uuid))
     devices = {(s.device_uuid or s.device) for s in specs}
     if len(devices) > 1:
         raise InvalidLayout("the handles name more than one GPU; one daemon serves one GPU",

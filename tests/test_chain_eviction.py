@@ -1,0 +1,277 @@
+"""Eviction keeps prefix chains whole (issue 14): the rule as a pure unit (kvswap.backends.chains),
+the file and host stores under it, and a real daemon filled past its cap whose every stored
+record is reachable by a lookup of its chain."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from kvswap.backends.chains import ChainOrder
+from kvswap.backends.file_store import Capacity, FileBackend
+from kvswap.backends.host_tier import HostBackend
+from kvswap.protocol import CacheLayout, Client, HostKVCache, NoSpace
+from support import DaemonProcess, free_port
+
+
+def ticks():
+    """A clock that moves one nanosecond per call, so stamps are predictable."""
+    now = [1000]
+
+    def clock() -> int:
+        now[0] += 1
+        return now[0]
+
+    return clock
+
+
+def drain(order: ChainOrder) -> list:
+    victims = []
+    while (name := order.victim()) is not None:
+        victims.append(name)
+        order.remove(name)
+    return victims
+
+
+# -- the rule, as a pure unit ---------------------------------------------------------------------
+
+
+def test_worked_example_evicts_tails_first_across_requests():
+    order = ChainOrder(clock=ticks())
+    order.chain("abc", reserve=True)
+    for name in "abc":  # written head first, as a swap_out does
+        order.add(name)
+    order.chain("cd", reserve=True)  # a later request extends the chain; c exists
+    order.add("d")
+    assert drain(order) == ["d", "c", "b", "a"]
+
+
+def test_plain_lru_would_evict_the_head_first():
+    """The bug this module fixes, shown with the old order kept for the benchmark."""
+    order = ChainOrder("lru", clock=ticks())
+    order.chain("abc", reserve=True)
+    for name in "abc":
+        order.add(name)
+    assert drain(order) == ["a", "b", "c"]
+
+
+def test_older_chains_go_before_newer_ones_and_a_touch_renews_a_whole_chain():
+    order = ChainOrder(clock=ticks())
+    for chain in ("ab", "xy", "pq"):
+        order.chain(chain, reserve=True)
+        for name in chain:
+            order.add(name)
+    order.chain("ab")  # a lookup hit both: ab is now the newest chain
+    assert drain(order) == ["y", "x", "q", "p", "b", "a"]
+
+
+def test_stranded_records_go_before_any_reachable_one():
+    order = ChainOrder(clock=ticks())
+    order.chain("abc", reserve=True)
+    for name in "abc":
+        order.add(name)
+    order.chain("xy", reserve=True)
+    for name in "xy":
+        order.add(name)
+    order.remove("a")  # another daemon deleted it: b and c are unreachable
+    assert order.stranded == 1 and order.unreachable() == 2
+    assert order.victim() == "b"
+    order.remove("b")
+    assert order.victim() == "c" and order.unreachable() == 1
+    order.remove("c")
+    assert order.unreachable() == 0 and drain(order) == ["y", "x"]
+
+
+def test_a_record_after_an_evicted_one_is_not_worth_writing():
+    order = ChainOrder(clock=ticks())
+    order.chain(["k0", "k1", "k2"], reserve=True)
+    order.add("k0")
+    assert not order.orphaned("k1")  # its predecessor is stored
+    order.add("k1")
+    order.remove("k1")  # evicted before k2 was written
+    assert order.orphaned("k2")
+    order.release("k2")
+    assert not order.orphaned("k2")  # released: a later put (say a promotion) is not refused
+
+
+def test_a_failed_write_strands_what_follows_it():
+    order = ChainOrder(clock=ticks())
+    order.chain("abc", reserve=True)
+    order.add("a")
+    order.add("c")  # written before b by another thread: fine while b is pending
+    assert order.stranded == 0
+    order.release("b")  # b's write failed
+    assert order.stranded == 1 and order.victim() == "c"
+
+
+def test_pinned_leaves_are_skipped_and_inner_records_never_taken_instead():
+    order = ChainOrder(clock=ticks())
+    order.chain("ab", reserve=True)
+    order.add("a")
+    order.add("b")
+    assert order.victim(skip=lambda n: n == "b") is None  # evicting a would strand b
+    assert order.victim() == "b"
+
+
+def test_links_that_loop_fall_back_to_lru():
+    order = ChainOrder(clock=ticks())
+    order.chain("ab", reserve=True)
+    order.add("a")
+    order.add("b")
+    order.chain("ba")  # nonsense keys: a follows b and b follows a
+    assert order.victim() in ("a", "b") and len(drain(order)) == 2
+
+
+def test_records_found_on_disk_keep_their_order_and_go_before_known_ones():
+    order = ChainOrder(clock=ticks())
+    order.add("fresh")
+    assert order.merge_older([("old", 10**12), ("older", 10**11), ("fresh", 5)]) == 2
+    assert drain(order) == ["older", "old", "fresh"]
+
+
+def test_stale_heap_entries_are_compacted():
+    order = ChainOrder(clock=ticks())
+    order.chain("ab", reserve=True)
+    order.add("a")
+    order.add("b")
+    for _ in range(1000):
+        order.chain("ab")
+    assert len(order._heap) <= 2 * len(order) + 64
+    assert drain(order) == ["b", "a"]
+
+
+# -- the stores -----------------------------------------------------------------------------------
+
+NS = "cd" * 16
+RECORD = 1000
+
+
+def payload(i: int) -> memoryview:
+    return memoryview(bytes([i % 256]) * RECORD)
+
+
+def _swap_out(store, keys: list[str]) -> int:
+    """What the daemon does for a swap_out: name the chain, then write each new record."""
+    store.expect_chain(keys)
+    stored = 0
+    for i, key in enumerate(keys):
+        if store.contains(key):
+            continue
+        try:
+            store.put(key, payload(i))
+            stored += 1
+        except NoSpace:
+            pass
+    return stored
+
+
+@pytest.mark.parametrize("tier", ["file", "host"])
+def test_a_chain_longer_than_the_cap_keeps_its_head_and_nothing_else(tmp_path, tier):
+    if tier == "file":
+        store = FileBackend(str(tmp_path), capacity=Capacity(max_bytes=10 * (256 + RECORD))).open_store(NS, {}, RECORD)
+        store.scan()
+    else:
+        store = HostBackend(10 * (256 + RECORD)).open_store(NS, {}, RECORD)
+    keys = [f"long-{i}" for i in range(25)]
+    _swap_out(store, keys)
+    stored = store.usage()["records"]
+    assert 0 < stored <= 10
+    assert store.contains_prefix(keys) == stored  # a head, no stray tail record
+    assert store.stats()["unreachable"] == 0
+
+
+def test_a_replaced_host_record_keeps_its_place_in_the_chain():
+    backend = HostBackend(3 * (256 + RECORD))
+    store = backend.open_store(NS, {}, RECORD)
+    _swap_out(store, ["a", "b", "c"])
+    store.put("b", payload(9))  # the same key stored again (a promotion, say): b still follows a
+    assert store.stats()["unreachable"] == 0 and backend.problems() == []
+    store.put("y", payload(3))
+    store.put("z", payload(4))  # room for three: the chain's tail goes, then b, not the head a
+    assert [store.contains(k) for k in "abcyz"] == [True, False, False, True, True]
+
+
+def test_a_restart_keeps_the_chain_order_in_the_files_mtimes(tmp_path):
+    backend = FileBackend(str(tmp_path))
+    store = backend.open_store(NS, {}, RECORD)
+    store.scan()
+    _swap_out(store, ["a", "b", "c", "d"])
+    store.close()
+    again = FileBackend(str(tmp_path), capacity=Capacity(max_bytes=4 * (256 + RECORD))).open_store(NS, {}, RECORD)
+    again.scan()
+    assert again.try_lead()
+    again.evict(2 * (256 + RECORD), "capacity")
+    assert [again.contains(k) for k in "abcd"] == [True, True, False, False]
+
+
+# -- a real daemon under pressure -----------------------------------------------------------------
+
+RECORD_BYTES = 3 * 2 * 8 * 2 * 16 * 2  # the layout below: 3 layers, k and v, 8 tokens x 2 heads x 16 dims, fp16
+CAP_RECORDS = 12
+
+
+@pytest.fixture
+def big_cache():
+    layout = CacheLayout("chain-model", num_layers=3, num_blocks=64, block_size=8, num_kv_heads=2, head_dim=16)
+    assert layout.record_bytes == RECORD_BYTES
+    with HostKVCache.create(layout) as c:
+        c.fill_random(seed=7)
+        yield c
+
+
+def _fill_under_pressure(c: Client, rng: random.Random) -> list[list[str]]:
+    """Many chains, some extended by later requests, lookups and swap_ins between, then one
+    chain longer than the whole cap. Returns every chain as its last request named it."""
+    chains: list[list[str]] = []
+    for n in range(24):
+        if chains and rng.random() < 0.3:  # a later turn extends an earlier conversation
+            j = rng.randrange(len(chains))
+            chains[j] = chains[j] + [f"c{j}-x{n}-{i}" for i in range(rng.randint(1, 4))]
+            keys = chains[j]
+        else:
+            keys = [f"c{len(chains)}-{i}" for i in range(rng.randint(2, 9))]
+            chains.append(keys)
+        out = c.swap_out(list(range(len(keys))), keys, wait="persisted")
+        assert out.failed == out.status.count("no_space"), out.status  # pressure, never an error
+        if rng.random() < 0.5:
+            old = chains[rng.randrange(len(chains))]
+            hits = c.lookup(old)
+            if hits:
+                c.swap_in(old[:hits], list(range(40, 40 + hits)))
+    long = [f"long-{i}" for i in range(3 * CAP_RECORDS)]
+    c.swap_out(list(range(len(long))), long, wait="persisted")
+    return chains + [long]
+
+
+def _record_files(root: Path) -> int:
+    return sum(1 for _, _, names in os.walk(root) for n in names if n.endswith(".kvr"))
+
+
+@pytest.mark.parametrize("tier", ["file", "host"])
+def test_every_stored_record_is_reachable_by_a_lookup_of_its_chain(tmp_path, big_cache, tier):
+    record_size = 256 + RECORD_BYTES  # small records carry a 256-byte header, on disk and in RAM
+    if tier == "file":
+        args = ["--storage-max-bytes", str(CAP_RECORDS * record_size)]
+    else:
+        args = ["--host-tier-bytes", str(CAP_RECORDS * record_size), "--store-locations", "host",
+                "--retrieve-locations", "host"]
+    d = DaemonProcess(tmp_path / "store", free_port(), free_port(), extra_args=args).start()
+    try:
+        with Client(d.endpoint, timeout=20) as c:
+            c.register(big_cache)
+            if tier == "file":  # the cap is enforced by the evicting daemon, once its scan is done
+                from support import wait_until
+                assert wait_until(lambda: c.stats()["tiers"]["file"]["leader"])
+            chains = _fill_under_pressure(c, random.Random(14))
+            stats = c.stats()["tiers"][tier]
+            stored = _record_files(tmp_path / "store") if tier == "file" else stats["records"]
+            hits = [c.lookup(chain) for chain in chains]
+            assert 0 < stored <= CAP_RECORDS
+            assert sum(hits) == stored, f"{stored} records stored, {sum(hits)} reachable: {hits}"
+            assert hits[-1] >= 1  # the newest chain, longer than the cap, kept its head
+            assert stats["unreachable"] == 0
+    finally:
+        assert d.stop() == 0, d.log()
