@@ -8,7 +8,7 @@ pure-Python path.
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional
+from typing import Callable
 
 #: Set to ``0`` to use the pure-Python copy path even where the helper is built.
 ENV_VAR = "KVSWAP_NATIVE_COPY"
@@ -16,7 +16,7 @@ ENV_VAR = "KVSWAP_NATIVE_COPY"
 CopyRows = Callable[[object], int]
 
 
-def load_copy_rows(enabled: Optional[bool] = None) -> Optional[CopyRows]:
+def load_copy_rows(enabled: bool | None = None) -> CopyRows | None:
     """``copy_rows`` from the helper, or None if it is not built or turned off. ``enabled=None``
     reads :data:`ENV_VAR`; False never loads it (and so never installs its fault handler)."""
     if enabled is None:
