@@ -45,6 +45,31 @@ def _time(fn: Callable[[], None]) -> float:
     return time.perf_counter() - t
 
 
+def loop_lag(work: Callable[[], None], seconds: float = 2.0) -> tuple[float, float, int]:
+    """p50/p99 lateness (ms) of a thread that sleeps 1 ms at a time while ``work`` runs in a loop
+    on this one: how long a Python thread (the daemon's event loop) waits to run behind copies."""
+    import threading
+
+    stop = threading.Event()
+    late: list[float] = []
+
+    def tick() -> None:
+        while not stop.is_set():
+            t = time.perf_counter()
+            time.sleep(0.001)
+            late.append((time.perf_counter() - t - 0.001) * 1e3)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        work()
+    stop.set()
+    ticker.join()
+    q = statistics.quantiles(late, n=100)
+    return q[49], q[98], len(late)
+
+
 def copy_paths(preset: str, mbytes: int, repeats: int) -> None:
     probe = preset_layout(preset, 1)
     blocks = max(GATHER_BATCH, mbytes * 2**20 // probe.record_bytes)
@@ -105,6 +130,8 @@ def copy_paths(preset: str, mbytes: int, repeats: int) -> None:
                     g, s = _time(lambda: gather(movers[name])), _time(lambda: scatter(movers[name]))
                 results.setdefault(name + " gather", []).append(total / g / 1e9)
                 results.setdefault(name + " scatter", []).append(total / s / 1e9)
+        lags = {name: loop_lag(lambda m=m: gather(m)) for name, m in movers.items()}
+        lags["idle"] = loop_lag(lambda: time.sleep(0.05))
         for r in registrations.values():
             r.close()
         del engine, slots
@@ -122,6 +149,9 @@ def copy_paths(preset: str, mbytes: int, repeats: int) -> None:
 
         print(f"  {name:<16}{g:>12.2f}{s:>13.2f}{ratio('numpy memcpy'):>11}{ratio('mapped memmove'):>11}"
               f"{ratio('preadv'):>10}")
+    print("  lateness of a 1 ms timer thread while gathers loop on another thread (the GIL's share), ms:")
+    for name, (p50, p99, n) in lags.items():
+        print(f"    {name:<16} p50 {p50:6.3f}  p99 {p99:6.3f}  ({n} ticks)")
 
 
 def ping_under_stream(preset: str, blocks: int, rounds: int, samples: int) -> None:
