@@ -175,6 +175,75 @@ def ping_under_stream(preset: str, blocks: int, rounds: int, samples: int) -> No
         print(f"  {name:<28}{n:>12.3f}{p:>12.3f}{n / p if p else float('nan'):>15.2f}")
 
 
+def ping_at_rate(preset: str, blocks: int, rate_mbs: float, seconds: float, rounds: int) -> None:
+    """Ping latency of a real daemon while a swap_out stream runs at the SAME fixed byte rate on
+    both paths (kvswap bench's stream is closed-loop: a faster copy path streams more bytes in
+    its ping window, which is a different load)."""
+    import tempfile
+    import threading
+
+    from kvswap.daemon.tools.local_daemon import LocalDaemon
+    from kvswap.protocol import Client
+
+    layout = preset_layout(preset, blocks)
+    batch = 8
+    per_s = rate_mbs * 2**20 / layout.record_bytes / batch  # swap_out calls a second
+    print(f"\nping under a swap_out stream held at {rate_mbs:.0f} MiB/s ({per_s:.1f} calls of {batch} blocks a "
+          f"second, preset {preset}), {seconds:.0f} s per path, alternating, {rounds} rounds")
+    results: dict[str, dict[str, list[float]]] = {}
+    for rnd in range(rounds):
+        for path in (("native", "preadv") if rnd % 2 == 0 else ("preadv", "native")):
+            os.environ[ENV_VAR] = "1" if path == "native" else "0"
+            with tempfile.TemporaryDirectory(prefix="kvswap-segbench-", dir=os.getcwd()) as storage, \
+                    LocalDaemon(storage, ("--direct-io", "auto")) as daemon, HostKVCache.create(layout) as cache, \
+                    Client(daemon.endpoint, timeout=60) as c:
+                cache.fill_random(rnd)
+                c.register(cache)
+                assert c.stats()["registration"]["mover"]["copy"] == path
+                stop = threading.Event()
+                sent = [0, 0]  # calls, busy answers
+
+                def stream() -> None:
+                    with Client(daemon.endpoint, timeout=60) as s:
+                        start = time.perf_counter()
+                        n = 0
+                        while not stop.is_set():
+                            ids = [(n * batch + i) % blocks for i in range(batch)]
+                            try:
+                                s.swap_out(ids, [f"{path}{rnd}-{n}-{i}" for i in ids], wait="copied")
+                            except Exception:  # busy: the disk is behind; the rate is what we hold
+                                sent[1] += 1
+                            n += 1
+                            sent[0] = n
+                            delay = start + n / per_s - time.perf_counter()
+                            if delay > 0:
+                                time.sleep(delay)
+
+                streamer = threading.Thread(target=stream)
+                streamer.start()
+                pings = []
+                end = time.perf_counter() + seconds
+                time.sleep(0.2)
+                while time.perf_counter() < end:
+                    t = time.perf_counter()
+                    c.ping()
+                    pings.append((time.perf_counter() - t) * 1e3)
+                    time.sleep(0.002)
+                stop.set()
+                streamer.join()
+                q = statistics.quantiles(pings, n=100)
+                row = results.setdefault(path, {})
+                row.setdefault("ping p50 ms", []).append(q[49])
+                row.setdefault("ping p99 ms", []).append(q[98])
+                row.setdefault("MiB/s streamed", []).append(sent[0] * batch * layout.record_bytes / 2**20 / seconds)
+                row.setdefault("busy answers", []).append(sent[1])
+                c.clear()
+    print(f"  {'metric':<18}{'native':>10}{'preadv':>10}{'native/preadv':>15}  (median of rounds)")
+    for name in results["native"]:
+        n, p = (statistics.median(results[path][name]) for path in ("native", "preadv"))
+        print(f"  {name:<18}{n:>10.3f}{p:>10.3f}{n / p if p else float('nan'):>15.2f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", default="small,8b")
@@ -185,12 +254,16 @@ def main() -> int:
     ap.add_argument("--ping-blocks", type=int, default=256)
     ap.add_argument("--ping-rounds", type=int, default=2)
     ap.add_argument("--ping-samples", type=int, default=300)
+    ap.add_argument("--rate", type=float, default=0, help="also ping under a stream held at this many MiB/s")
+    ap.add_argument("--rate-seconds", type=float, default=8)
     args = ap.parse_args()
     print(f"cpus: {os.cpu_count()}, load average: {os.getloadavg()[0]:.1f} (a shared machine moves these numbers)")
     for preset in args.presets.split(","):
         copy_paths(preset, args.mbytes, args.repeats)
     if args.ping:
         ping_under_stream(args.ping_preset, args.ping_blocks, args.ping_rounds, args.ping_samples)
+    if args.rate:
+        ping_at_rate(args.ping_preset, args.ping_blocks, args.rate, args.rate_seconds, args.ping_rounds)
     return 0
 
 
