@@ -57,19 +57,26 @@ class Truncatable:
         self.segment.unlink()
 
 
+#: Rows this long take the helper's streaming-store path (STREAM_MIN_BYTES in _fastcopy.c).
+STREAM_MIN = 16 * 1024
+
+
 @settings(max_examples=200, deadline=None)
 @given(data=st.data())
 def test_copy_rows_matches_numpy_slicing(copy_rows, data) -> None:
     """Random tables, rows applied in order (later rows overwrite earlier ones, as slicing
-    does), zero-length rows included, in both directions between two buffers."""
-    n_src = data.draw(st.integers(1, 4096), label="source bytes")
-    n_dst = data.draw(st.integers(1, 4096), label="destination bytes")
-    src = np.frombuffer(data.draw(st.binary(min_size=n_src, max_size=n_src), label="source"), np.uint8).copy()
+    does), zero-length rows, odd offsets and rows on both sides of the streaming threshold."""
+    n_src = data.draw(st.integers(1, 3 * STREAM_MIN), label="source bytes")
+    n_dst = data.draw(st.integers(1, 3 * STREAM_MIN), label="destination bytes")
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    src = np.random.default_rng(seed).integers(0, 256, n_src, dtype=np.uint8)
     dst = np.zeros(n_dst, np.uint8)
     want = dst.copy()
     rows = []
-    for _ in range(data.draw(st.integers(0, 40), label="rows")):
-        nbytes = data.draw(st.integers(0, min(n_src, n_dst)))
+    for _ in range(data.draw(st.integers(0, 12), label="rows")):
+        most = min(n_src, n_dst)
+        nbytes = data.draw(st.one_of(st.integers(0, min(most, 300)),
+                                     st.integers(min(most, STREAM_MIN - 70), most)), label="nbytes")
         s = data.draw(st.integers(0, n_src - nbytes))
         d = data.draw(st.integers(0, n_dst - nbytes))
         rows.append((src.ctypes.data + s, dst.ctypes.data + d, nbytes))

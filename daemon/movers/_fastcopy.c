@@ -21,6 +21,9 @@
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 /* initial-exec: the handler must read these without a lazy TLS allocation (not signal-safe). */
 static __thread sigjmp_buf fault_jump __attribute__((tls_model("initial-exec")));
@@ -64,6 +67,38 @@ static int install_handler(void) {
     return 0;
 }
 
+/* Rows at least this long are copied with non-temporal (cache-bypassing) stores where the CPU
+ * has them. A row is a region's chunk of one block (tens to hundreds of KiB): glibc's memcpy
+ * uses ordinary stores below its own, much larger threshold, which read every destination line
+ * into the cache first. The bytes are not read again soon (they go to disk, or to an engine
+ * block), so skipping that read made strided chunk copies about 1.2-1.4x faster on the test
+ * machine (benchmarks/segment_copy.py). */
+#ifndef STREAM_MIN_BYTES
+#define STREAM_MIN_BYTES (16 * 1024)
+#endif
+
+static void copy_row(char *dst, const char *src, size_t n) {
+#if defined(__SSE2__)
+    if (n >= STREAM_MIN_BYTES) {
+        /* Align the destination to 16 bytes (streaming stores need it), then 64 bytes a step. */
+        size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+        memcpy(dst, src, head);
+        dst += head, src += head, n -= head;
+        for (; n >= 64; n -= 64, dst += 64, src += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)src);
+            __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+            _mm_stream_si128((__m128i *)dst, a);
+            _mm_stream_si128((__m128i *)(dst + 16), b);
+            _mm_stream_si128((__m128i *)(dst + 32), c);
+            _mm_stream_si128((__m128i *)(dst + 48), d);
+        }
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
 /* copy_rows(table) -> int: rows copied, or -(row + 1) for the row whose copy faulted. */
 static PyObject *copy_rows(PyObject *self, PyObject *arg) {
     (void)self;
@@ -88,8 +123,11 @@ static PyObject *copy_rows(PyObject *self, PyObject *arg) {
         in_guarded_copy = 1;
         for (; row < count; row++) {
             const uint64_t *r = rows + 3 * row;
-            memcpy((void *)(uintptr_t)r[1], (const void *)(uintptr_t)r[0], (size_t)r[2]);
+            copy_row((char *)(uintptr_t)r[1], (const char *)(uintptr_t)r[0], (size_t)r[2]);
         }
+#if defined(__SSE2__)
+        _mm_sfence(); /* streamed stores are weakly ordered: visible to other threads before we return */
+#endif
         in_guarded_copy = 0;
     } else {
         faulted = 1; /* the handler cleared in_guarded_copy before jumping */
