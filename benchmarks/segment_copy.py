@@ -35,6 +35,7 @@ from kvswap.daemon.movers.native import ENV_VAR, load_copy_rows
 from kvswap.daemon.registration import Registration
 from kvswap.daemon.tools.presets import preset_layout
 from kvswap.protocol import HostKVCache
+from kvswap.protocol.errors import KvswapError
 
 GATHER_BATCH = 4  # the swapper's GATHER_CHUNK
 
@@ -43,6 +44,13 @@ def _time(fn: Callable[[], None]) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def loop_lag(work: Callable[[], None], seconds: float = 2.0) -> tuple[float, float, int]:
@@ -95,7 +103,8 @@ def copy_paths(preset: str, mbytes: int, repeats: int) -> None:
             registrations[name] = Registration.attach(body["layout"], body["handles"], body["regions"], body["pid"])
             movers[name] = registrations[name].mover
         movers["mapped memmove"] = HostMover([engine], registrations["preadv"].placements, record)
-        live = lambda: True  # noqa: E731
+        def live() -> bool:
+            return True
 
         def gather(m) -> None:
             for s in range(0, blocks, GATHER_BATCH):
@@ -134,7 +143,6 @@ def copy_paths(preset: str, mbytes: int, repeats: int) -> None:
         lags["idle"] = loop_lag(lambda: time.sleep(0.05))
         for r in registrations.values():
             r.close()
-        del engine, slots
 
     print(f"  {'path':<16}{'gather GB/s':>12}{'scatter GB/s':>13}{'vs memcpy':>11}{'vs memmove':>11}"
           f"{'vs preadv':>10}  (gather, scatter ratios)")
@@ -211,7 +219,7 @@ def ping_at_rate(preset: str, blocks: int, rate_mbs: float, seconds: float, roun
                             ids = [(n * batch + i) % blocks for i in range(batch)]
                             try:
                                 s.swap_out(ids, [f"{path}{rnd}-{n}-{i}" for i in ids], wait="copied")
-                            except Exception:  # busy: the disk is behind; the rate is what we hold
+                            except KvswapError:  # busy: the disk is behind; the rate is what we hold
                                 sent[1] += 1
                             n += 1
                             sent[0] = n
@@ -219,6 +227,8 @@ def ping_at_rate(preset: str, blocks: int, rate_mbs: float, seconds: float, roun
                             if delay > 0:
                                 time.sleep(delay)
 
+                pid = daemon.proc.pid  # type: ignore[union-attr]
+                cpu0 = _cpu_seconds(pid)
                 streamer = threading.Thread(target=stream)
                 streamer.start()
                 pings = []
@@ -231,11 +241,13 @@ def ping_at_rate(preset: str, blocks: int, rate_mbs: float, seconds: float, roun
                     time.sleep(0.002)
                 stop.set()
                 streamer.join()
+                cpu = (_cpu_seconds(pid) - cpu0) / seconds * 100
                 q = statistics.quantiles(pings, n=100)
                 row = results.setdefault(path, {})
                 row.setdefault("ping p50 ms", []).append(q[49])
                 row.setdefault("ping p99 ms", []).append(q[98])
                 row.setdefault("MiB/s streamed", []).append(sent[0] * batch * layout.record_bytes / 2**20 / seconds)
+                row.setdefault("daemon CPU % core", []).append(cpu)
                 row.setdefault("busy answers", []).append(sent[1])
                 c.clear()
     print(f"  {'metric':<18}{'native':>10}{'preadv':>10}{'native/preadv':>15}  (median of rounds)")
