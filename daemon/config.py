@@ -24,8 +24,10 @@ MiB = 1024 * 1024
 #: ``KVSWAP_*`` variables that are not kvswapd settings but are read by other parts, so the
 #: daemon does not warn about them: the launcher hands ``KVSWAP_ENDPOINTS`` and
 #: ``KVSWAP_METRICS_URLS`` to the server it starts; ``KVSWAP_GPU_BACKEND`` picks the GPU
-#: framework the movers attach with (daemon/movers/cuda_attach.py).
-OTHER_ENV_VARS: Final = frozenset({"KVSWAP_ENDPOINTS", "KVSWAP_METRICS_URLS", "KVSWAP_GPU_BACKEND"})
+#: framework the movers attach with (daemon/movers/cuda_attach.py); ``KVSWAP_NATIVE_COPY=0``
+#: turns off the native shared-memory copy (daemon/movers/native.py).
+OTHER_ENV_VARS: Final = frozenset({"KVSWAP_ENDPOINTS", "KVSWAP_METRICS_URLS", "KVSWAP_GPU_BACKEND",
+                                   "KVSWAP_NATIVE_COPY"})
 
 
 class ConfigError(ValueError):

@@ -126,8 +126,10 @@ class Registrar:
                 self.namespaces.pop(namespace).close()
         self.metrics.registered.set(1)
         self.metrics.registrations.labels(event="registered").inc()
-        log.info("registered namespace %s for pid %d: %d regions, %d blocks of %d bytes", registration.namespace,
-                 pid, len(registration.placements), registration.layout.num_blocks, registration.record_bytes)
+        mover = registration.mover.describe()
+        log.info("registered namespace %s for pid %d: %d regions, %d blocks of %d bytes, %s mover (copy: %s)",
+                 registration.namespace, pid, len(registration.placements), registration.layout.num_blocks,
+                 registration.record_bytes, mover["mover"], mover.get("copy", "-"))
         assert self.staging.write is not None
         return {"namespace": registration.namespace, "record_bytes": registration.record_bytes,
                 "write_slots": self.staging.write.capacity, "token": registration.token}

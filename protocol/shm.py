@@ -4,9 +4,10 @@
 tracker that unlinks it when the attaching process exits (Python < 3.13), which would let the
 daemon destroy an engine's cache on shutdown. This module opens segments directly instead.
 
-The daemon opens an engine's segment without mapping it (``attach(name, mapped=False)``) and
-copies with ``preadv``/``pwritev`` on the descriptor: a segment that its engine truncates
-then gives a short read, never the SIGBUS a mapping would take.
+The daemon opens an engine's segment by descriptor (``attach(name, mapped=False)``); its mover
+then either maps it and copies inside a fault guard, or copies with ``preadv``/``pwritev`` on
+the descriptor, so a segment that its engine truncates is a typed error, never the daemon's
+death by SIGBUS (daemon/movers/segment.py).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from copy_paths import copy_path  # noqa: F401 (a fixture)
 from test_gpu_movers import twin_mover
 from test_gpu_plans import GATHER, KINDS, Engine
 
@@ -15,8 +16,8 @@ from kvswap.protocol.errors import NotRegistered
 
 
 @pytest.fixture(params=sorted(KINDS))
-def engine(request):
-    e = Engine(request.param)
+def engine(request, copy_path: str):  # noqa: F811
+    e = Engine(request.param)  # its registration's SegmentMover takes the copy path from the env
     yield e
     e.close()
 
@@ -36,9 +37,10 @@ def test_every_mover_is_a_mover(engine: Engine) -> None:
     device.close()
 
 
-def test_segment_mover_moves_what_the_host_mover_moves(engine: Engine) -> None:
+def test_segment_mover_moves_what_the_host_mover_moves(engine: Engine, copy_path: str) -> None:  # noqa: F811
     host = HostMover(engine.buffers, engine.placements, engine.record_bytes)
     segment = engine.registration.mover
+    assert segment.describe()["copy"] == copy_path
     want = [np.zeros(engine.record_bytes, np.uint8) for _ in GATHER]
     got = [np.full(engine.record_bytes, 0xEE, np.uint8) for _ in GATHER]
     assert host.gather_blocks(GATHER, want, lambda: True)
@@ -51,6 +53,12 @@ def test_segment_mover_moves_what_the_host_mover_moves(engine: Engine) -> None:
     # live() is asked before each block: nothing moves once it is false.
     before = engine.snapshot()
     assert segment.scatter_blocks([3], got[:1], lambda: False) is False
+    assert engine.snapshot() == before
+    # A bad block id or slot is refused before a byte moves.
+    with pytest.raises(IndexError):
+        segment.scatter_blocks([engine.layout.num_blocks], got[:1], lambda: True)
+    with pytest.raises(ValueError):
+        segment.gather_blocks([0], [np.zeros(engine.record_bytes - 1, np.uint8)], lambda: True)
     assert engine.snapshot() == before
     segment.close()
     with pytest.raises(NotRegistered):  # closed: the descriptors are never used again

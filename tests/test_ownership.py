@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from copy_paths import copy_path  # noqa: F401 (a fixture)
 from remote_servers import RedisServer, redis_skip_reason
 from support import DaemonProcess, free_port, wait_until
 
@@ -309,7 +310,8 @@ def _truncate(cache: HostKVCache, size: int) -> None:
         os.close(fd)
 
 
-def test_a_truncated_segment_is_a_typed_error_and_the_daemon_stays_up(daemon: DaemonProcess, layout) -> None:
+def test_a_truncated_segment_is_a_typed_error_and_the_daemon_stays_up(copy_path: str, daemon: DaemonProcess,  # noqa: F811
+                                                                      layout) -> None:
     # The test process is the engine; after a truncate it must not touch its own mapping
     # either (that would be this process's SIGBUS), so expected bytes are taken first.
     cache = HostKVCache.create(layout)
@@ -319,6 +321,7 @@ def test_a_truncated_segment_is_a_typed_error_and_the_daemon_stays_up(daemon: Da
         expected = [cache.block_record(b) for b in range(4)]
         with Client(daemon.endpoint, timeout=10) as c:
             c.register(cache)
+            assert c.stats()["registration"]["mover"]["copy"] == copy_path
             assert c.swap_out([0, 1, 2, 3], keys("s", 4), wait="persisted").stored == 4
 
             _truncate(cache, 4096)
@@ -351,7 +354,7 @@ def test_a_truncated_segment_is_a_typed_error_and_the_daemon_stays_up(daemon: Da
         cache.segment.unlink()
 
 
-def test_truncates_racing_swaps_never_crash_the_daemon(daemon: DaemonProcess) -> None:
+def test_truncates_racing_swaps_never_crash_the_daemon(copy_path: str, daemon: DaemonProcess) -> None:  # noqa: F811
     """A truncate landing at any moment of a large swap_out or swap_in: every answer is a
     success or a typed error, the daemon stays up (no SIGBUS window), and every record stored
     holds the bytes its block had (never a short read's leftovers)."""
@@ -369,6 +372,8 @@ def test_truncates_racing_swaps_never_crash_the_daemon(daemon: DaemonProcess) ->
                 _truncate(cache, full)
                 cache.fill_random(5)  # a regrown segment is zeros: put the engine's bytes back
                 c.register(cache)
+                if rnd == 0:
+                    assert c.stats()["registration"]["mover"]["copy"] == copy_path
                 delay = (rnd % 8) * 0.002
                 cut = threading.Timer(delay, _truncate, (cache, full // 3 if rnd % 2 else 0))
                 cut.start()

@@ -14,7 +14,8 @@ movers implement the same calls with device copies from the same :func:`copy_pla
 
 This mover copies between memory the daemon can address directly (numpy arrays): it is the
 CPU twin the GPU movers are tested against, and what ``kvswap bench`` measures. An engine's
-shared-memory segment is moved by :class:`~.segment.SegmentMover`, which never maps it.
+shared-memory segment is moved by :class:`~.segment.SegmentMover`, which survives the engine
+truncating it (a fault-guarded native copy, or ``preadv`` on its descriptor).
 """
 
 from __future__ import annotations
