@@ -22,7 +22,8 @@ Reports per turn index: TTFT p50/p99 per run, prompt tokens served by the engine
 kvswap (per tier: host, file) and recomputed; the connector's lookup latency as the engine
 saw it (p50/p99); and a plot of TTFT by turn index (``--out``/ttft_by_turn.png).
 
-The model: a Llama shape with dummy weights (no download). 8 layers, hidden 1024, 16 heads,
+The model: a Llama shape with random weights written here (no download; not vLLM's dummy
+weights, whose output barely depends on the context, see vllm_engine.py). 8 layers, hidden 1024, 16 heads,
 2 KV heads (GQA 8:1), head dim 64, MLP 2816: ~180 MFLOP of prefill per token against 4 KiB of
 KV per token, ~43 kFLOP per KV byte. What decides whether a load beats recompute is that
 ratio (work saved per byte moved): Llama-3.2-1B has ~59 kFLOP/byte, Llama-3-8B ~106, so this

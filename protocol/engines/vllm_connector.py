@@ -22,10 +22,9 @@ Any kvswap error is a miss or a skipped save: the engine never fails a request f
 
 The daemon: ``kv_connector_extra_config["endpoint"]`` (one endpoint, or a list in rank
 order), else ``KVSWAP_ENDPOINTS`` as ``kvswap launch`` sets it (rank i -> i-th), else
-``tcp://127.0.0.1:55500``. Other extra config keys: ``load_policy`` (``when_faster`` or
-``always``), ``timeout_s`` (per call, default 5), ``connect_timeout_s`` (how long start-up
-waits for the daemon, default 30), ``model_id`` (namespace name; default the model path),
-``stats_file`` (where the scheduler writes its counters and lookup latencies as JSON).
+``tcp://127.0.0.1:55500``. The other ``kv_connector_extra_config`` keys (``load_policy``,
+``timeout_s``, ``lookup_timeout_s``, ``connect_timeout_s``, ``retry_s``, ``model_id``,
+``stats_file``) are listed in docs/integration.md.
 
 vLLM and torch are imported here, at import time: this module is only imported by vLLM.
 """
