@@ -12,11 +12,14 @@ of one session every other session's turn runs through the engine: with the engi
 prefix cache sized to ``--cache-blocks`` blocks, earlier turns are evicted and must come back
 from kvswap or be recomputed.
 
-Two engines run side by side, each request going to both in turn (same prompt, same
-moment, so machine noise hits both): ``baseline`` (vLLM's own prefix cache only) and
-``kvswap`` (the connector, kvswapd with a RAM tier of ``--host-tier-mib`` and the file tier).
-The conversation's answers are the baseline's; every kvswap output is compared with it
-token by token (and by logprob).
+Three engines run side by side, each request going to all in turn (same prompt, same
+moment, so machine noise hits all): ``baseline`` (vLLM's own prefix cache only), ``kvswap``
+(the connector, kvswapd with a RAM tier of ``--host-tier-mib`` and the file tier) and
+``ideal`` (vLLM with a cache so large it never evicts). The conversation's answers are the
+baseline's. ``ideal`` is the reference for "identical": a block's KV is reused exactly as it
+was computed, including blocks filled one token at a time by decode steps, whose KV differs
+in its last bits from the same tokens recomputed in a prefill. kvswap should match ``ideal``
+token for token; the baseline, which recomputes, may not.
 
 Reports per turn index: TTFT p50/p99 per run, prompt tokens served by the engine's cache, by
 kvswap (per tier: host, file) and recomputed; the connector's lookup latency as the engine
@@ -177,6 +180,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         started = time.monotonic()
         engines["baseline"] = mod.EngineProcess(args.python, common, str(out / "engine-baseline.log"), env=env)
+        # The reference for "identical": an engine whose own cache never evicts (it reuses every
+        # block's KV exactly as computed, including blocks filled by decode steps).
+        engines["ideal"] = mod.EngineProcess(args.python, [*common[:-4], "--cache-blocks", str(args.ideal_cache_blocks),
+                                                           *common[-2:]], str(out / "engine-ideal.log"), env=env)
         engines["kvswap"] = mod.EngineProcess(args.python, [*common, "--endpoint", f"tcp://127.0.0.1:{port}",
                                                             "--stats-file", str(stats_file),
                                                             "--load-policy", args.load_policy],
@@ -210,6 +217,7 @@ def replay(args: argparse.Namespace, engines: dict[str, Any], metrics_url: str) 
             if len(prompt) + session.answer_lengths[turn] >= args.max_model_len:
                 continue  # this conversation is full
             order = ["baseline", "kvswap"] if (turn + session.index) % 2 == 0 else ["kvswap", "baseline"]
+            order.append("ideal")
             got: dict[str, Sample] = {}
             for name in order:
                 before = scrape(metrics_url) if name == "kvswap" else {}
@@ -230,18 +238,27 @@ def replay(args: argparse.Namespace, engines: dict[str, Any], metrics_url: str) 
     return samples
 
 
+def compare(samples: list[Sample], run: str, reference: str) -> dict[str, Any]:
+    """Token and logprob differences of ``run``'s answers against ``reference``'s."""
+    by_key = {(s.run, s.session, s.turn): s for s in samples}
+    result: dict[str, Any] = {"compared": 0, "token_mismatches": 0, "max_abs_logprob_diff": 0.0, "differing": []}
+    for s in samples:
+        ref = by_key.get((reference, s.session, s.turn))
+        if s.run != run or ref is None:
+            continue
+        result["compared"] += 1
+        diff = max((abs(a - b) for a, b in zip(s.logprobs, ref.logprobs)), default=0.0)
+        result["max_abs_logprob_diff"] = max(result["max_abs_logprob_diff"], diff)
+        if s.tokens != ref.tokens:
+            result["token_mismatches"] += 1
+            first = next(i for i, (a, b) in enumerate(zip(s.tokens, ref.tokens)) if a != b)
+            result["differing"].append({"session": s.session, "turn": s.turn, "first_token": first,
+                                        "kvswap_tokens_loaded": by_key[("kvswap", s.session, s.turn)].external_tokens})
+    return result
+
+
 def summarize(samples: list[Sample], connector: dict[str, Any], daemon_metrics: dict[str, float]) -> dict[str, Any]:
     by_key = {(s.run, s.session, s.turn): s for s in samples}
-    mismatched, max_logprob_diff, compared = 0, 0.0, 0
-    for s in samples:
-        if s.run != "kvswap":
-            continue
-        base = by_key[("baseline", s.session, s.turn)]
-        compared += 1
-        if s.tokens != base.tokens:
-            mismatched += 1
-        for a, b in zip(s.logprobs, base.logprobs):
-            max_logprob_diff = max(max_logprob_diff, abs(a - b))
     turns = sorted({s.turn for s in samples})
     table = []
     for turn in turns:
@@ -262,7 +279,7 @@ def summarize(samples: list[Sample], connector: dict[str, Any], daemon_metrics: 
                          "recomputed_tokens": prompt - sum(s.cached_tokens for s in group)}
         table.append(row)
     totals = {}
-    for name in ("baseline", "kvswap"):
+    for name in ("baseline", "kvswap", "ideal"):
         group = [s for s in samples if s.run == name]
         prompt = sum(s.prompt_tokens for s in group) or 1
         ttft = [s.ttft_s * 1e3 for s in group]
@@ -276,7 +293,9 @@ def summarize(samples: list[Sample], connector: dict[str, Any], daemon_metrics: 
     totals["paired_speedup_p50"] = percentile(ratios, 50)
     count = daemon_metrics.get('kvswap_request_duration_seconds_count{op="lookup"}', 0.0)
     return {"per_turn": table, "totals": totals,
-            "outputs": {"compared": compared, "token_mismatches": mismatched, "max_abs_logprob_diff": max_logprob_diff},
+            "outputs": {"kvswap_vs_ideal": compare(samples, "kvswap", "ideal"),
+                        "baseline_vs_ideal": compare(samples, "baseline", "ideal"),
+                        "kvswap_vs_baseline": compare(samples, "kvswap", "baseline")},
             "lookup_engine_ms": connector.get("lookup_ms"), "connector": connector,
             "daemon_lookups": count}
 
@@ -289,6 +308,8 @@ def plot(samples: list[Sample], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     turns = sorted({s.turn for s in samples})
+    ideal = [percentile([s.ttft_s * 1e3 for s in samples if s.run == "ideal" and s.turn == t], 50) for t in turns]
+    ax.plot([t + 1 for t in turns], ideal, ":", color="gray", label="vLLM, cache never evicts (reference), p50")
     for name, color in (("baseline", "tab:red"), ("kvswap", "tab:blue")):
         p50 = [percentile([s.ttft_s * 1e3 for s in samples if s.run == name and s.turn == t], 50) for t in turns]
         p99 = [percentile([s.ttft_s * 1e3 for s in samples if s.run == name and s.turn == t], 99) for t in turns]
@@ -328,9 +349,9 @@ def print_report(report: dict[str, Any]) -> None:
               f"mean request {t['e2e_mean_ms']:.0f} ms; prompt tokens from "
               f"engine cache {t['hit_engine_cache']:.1%}, kvswap host {t['hit_kvswap_host']:.1%}, kvswap file "
               f"{t['hit_kvswap_file']:.1%}, recomputed {t['recomputed']:.1%}")
-    o = report["outputs"]
-    print(f"outputs: {o['compared']} compared, {o['token_mismatches']} differ in tokens, "
-          f"max |logprob diff| {o['max_abs_logprob_diff']:.3g}")
+    for name, o in report["outputs"].items():
+        print(f"outputs {name}: {o['compared']} compared, {o['token_mismatches']} differ in tokens, "
+              f"max |logprob diff| {o['max_abs_logprob_diff']:.3g}")
     lookup = report.get("lookup_engine_ms") or {}
     print(f"lookup as the engine saw it: n={lookup.get('n')}, p50 {lookup.get('p50', float('nan')):.2f} ms, "
           f"p99 {lookup.get('p99', float('nan')):.2f} ms")
@@ -350,6 +371,8 @@ def main() -> int:
     parser.add_argument("--cache-blocks", type=int, default=72, help="the engine's own KV cache, in blocks")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--host-tier-mib", type=int, default=16)
+    parser.add_argument("--ideal-cache-blocks", type=int, default=1024,
+                        help="the reference engine's cache, large enough never to evict")
     parser.add_argument("--load-policy", default="when_faster")
     parser.add_argument("--out", default="replay-out")
     args = parser.parse_args()
