@@ -34,9 +34,18 @@ MARK = "@@kvswap "
 
 
 def make_model_dir(path: str, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int,
-                   vocab: int) -> str:
-    """A Llama config.json and nothing else: vLLM's ``load_format="dummy"`` fills the weights."""
+                   vocab: int, seed: int = 0) -> str:
+    """A Llama config.json and random weights (``model.safetensors``, float16, normal with a
+    std of 0.05, norms at 1).
+
+    Not vLLM's ``load_format="dummy"``: its weights are uniform in +-0.001, and a model that
+    small barely looks at its context; in a tried run, zeroing 576 of 600 tokens' KV left
+    the greedy tokens and logprobs unchanged, so "identical output" proved nothing. These
+    weights make the output depend on every token's KV.
+    """
     os.makedirs(path, mode=0o700, exist_ok=True)
+    write_random_weights(os.path.join(path, "model.safetensors"), layers, hidden, heads, kv_heads, intermediate,
+                         vocab, seed)
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
               "intermediate_size": intermediate, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
               "num_hidden_layers": layers, "vocab_size": vocab, "max_position_embeddings": 16384,
@@ -108,6 +117,45 @@ class EngineProcess:
         return self.proc.returncode
 
 
+def write_random_weights(path: str, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int,
+                         vocab: int, seed: int, std: float = 0.05) -> None:
+    """A Llama checkpoint in the safetensors format (a length-prefixed JSON header, then raw
+    little-endian tensors), written with numpy alone."""
+    import numpy as np
+
+    head_dim = hidden // heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden),
+                                          "model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+                       p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+                       p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+                       p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+                       p + "mlp.gate_proj.weight": (intermediate, hidden),
+                       p + "mlp.up_proj.weight": (intermediate, hidden),
+                       p + "mlp.down_proj.weight": (hidden, intermediate),
+                       p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,)})
+    rng = np.random.default_rng(seed)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        nbytes = int(np.prod(shape)) * 2
+        header[name] = {"dtype": "F16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for name, shape in shapes.items():
+            if name.endswith("norm.weight"):
+                values = np.ones(shape, dtype=np.float16)
+            else:
+                values = (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float16)
+            f.write(values.tobytes())
+
+
 def answer(payload: dict[str, Any]) -> None:
     sys.stdout.write(MARK + json.dumps(payload) + "\n")
     sys.stdout.flush()
@@ -128,7 +176,7 @@ def build_engine(args: argparse.Namespace) -> Any:
                                        kv_connector_module_path="kvswap.protocol.engines.vllm_connector",
                                        kv_role="kv_both", kv_load_failure_policy="recompute",
                                        kv_connector_extra_config=extra)
-    return LLM(model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+    return LLM(model=args.model, skip_tokenizer_init=True, dtype="bfloat16",
                block_size=args.block_size, distributed_executor_backend="uni", enable_prefix_caching=True,
                max_model_len=args.max_model_len, seed=0, disable_log_stats=False,
                kv_cache_memory_bytes=args.cache_blocks * args.block_bytes, kv_transfer_config=kv_transfer,

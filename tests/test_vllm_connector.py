@@ -8,7 +8,8 @@ already has vLLM instead. Where vLLM cannot be installed (not Linux x86-64, no p
 the tests skip and say why. Deselect them with ``-m "not vllm"``.
 
 The engine runs in a subprocess (benchmarks/vllm_engine.py) with a 2-layer Llama shape and
-dummy weights; the daemon is the real kvswapd from this checkout.
+random weights (std 0.05; see benchmarks/vllm_engine.py); the daemon is the real kvswapd
+from this checkout.
 """
 
 from __future__ import annotations

@@ -1,0 +1,271 @@
+"""The worker side of the vLLM connector: the KV cache in shared memory and registered with
+kvswapd, loads before the forward, saves after it; and the metadata the scheduler side sends
+it each step. See :mod:`.vllm_connector` for the whole."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from ..client import Client
+from ..errors import InvalidLayout, KvswapError, NotRegistered
+from ..messages import SwapOut
+from .vllm_memory import CacheFacts, SharedKVAllocation, build_registration
+from .vllm_plan import Backoff, resolve_endpoints
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+#: Under vLLM's logger, so these lines land in the engine's log with its own.
+log = logging.getLogger("vllm.kvswap")
+
+
+# -- what the scheduler tells the worker, and back ------------------------------------------------
+
+
+@dataclass
+class Transfer:
+    req_id: str
+    keys: list[str]
+    block_ids: list[int]
+
+
+@dataclass
+class KvswapMetadata(KVConnectorMetadata):
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+    #: Tokens the step computes (the forward's work), for the prefill-speed estimate.
+    step_tokens: int = 0
+
+
+@dataclass
+class KvswapWorkerMetadata(KVConnectorWorkerMetadata):
+    """Measurements and outcomes from the workers, aggregated over ranks per step."""
+
+    #: (blocks, seconds) per load call and (tokens, seconds) per forward.
+    load_samples: list[tuple[int, float]] = field(default_factory=list)
+    forward_samples: list[tuple[int, float]] = field(default_factory=list)
+    loaded_blocks: int = 0
+    failed_blocks: int = 0
+    saved_blocks: int = 0
+    save_failures: int = 0
+    #: Time the steps spent in swap_out (waiting for "copied").
+    save_s: float = 0.0
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KvswapWorkerMetadata)
+        return KvswapWorkerMetadata(
+            self.load_samples + other.load_samples, self.forward_samples + other.forward_samples,
+            self.loaded_blocks + other.loaded_blocks, self.failed_blocks + other.failed_blocks,
+            self.saved_blocks + other.saved_blocks, self.save_failures + other.save_failures,
+            self.save_s + other.save_s)
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: Any, extra: dict[str, Any]) -> None:
+        self.config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.timeout = float(extra.get("timeout_s", 5.0))
+        self.connect_timeout = float(extra.get("connect_timeout_s", 30.0))
+        self.model_id = str(extra.get("model_id") or vllm_config.model_config.model)[-256:]
+        rank = _local_rank()
+        endpoints = resolve_endpoints(extra)
+        self.endpoint = endpoints[rank] if rank < len(endpoints) else None
+        self.allocation = SharedKVAllocation() if vllm_config.device_config.device_type == "cpu" else None
+        self.client: Client | None = None
+        self.registration: dict[str, Any] | None = None
+        self.write_slots = 0
+        self.registered = False
+        self.backoff = Backoff(float(extra.get("retry_s", 5.0)))
+        self._errors: set[int] = set()
+        self._inflight: list[int] = []  # ids of swap_out requests sent, replies not collected
+        self._report = KvswapWorkerMetadata()
+        self._forward_started: float | None = None
+        if self.endpoint is None:
+            log.error("kvswap connector: no endpoint for local rank %d in %s; running without offload", rank, endpoints)
+
+    def memory_context(self) -> SharedKVAllocation | None:
+        return self.allocation
+
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        if self.endpoint is None:
+            return
+        if self.allocation is None:
+            log.error("kvswap connector: only CPU engines are supported (the cache must be in shared memory); "
+                      "running without offload")
+            return
+        model = self.config.model_config
+        parallel = self.config.parallel_config
+        facts = CacheFacts(self.model_id, num_blocks=self.kv_cache_config.num_blocks,
+                           block_size=self.config.cache_config.block_size,
+                           num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
+                           tp_rank=_tp_rank(), tp_size=parallel.tensor_parallel_size)
+        try:
+            self.registration = build_registration(kv_caches, self.allocation, facts)
+        except InvalidLayout as exc:
+            log.error("kvswap connector: cannot describe the KV cache (%s); running without offload", exc)
+            return
+        self.client = Client(self.endpoint, timeout=self.timeout)
+        try:
+            self.client.wait_ready(self.connect_timeout)
+            self._register()
+        except KvswapError as exc:
+            # Not fatal: every later call retries the registration (see _call).
+            self.backoff.failed(exc)
+            log.warning("kvswap connector: kvswapd at %s not usable yet (%s); will retry", self.endpoint, exc)
+
+    def _register(self) -> None:
+        assert self.client is not None and self.registration is not None
+        reply = self.client.register(self.registration)
+        self.registered = True
+        self.write_slots = int(reply.get("write_slots") or 0)
+        log.info("kvswap connector: registered with %s, namespace %s, %d regions", self.endpoint,
+                 reply.get("namespace"), len(self.registration["regions"]))
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """One kvswap call; registers first where the daemon does not know this engine (it
+        restarted, or was not up at start-up) and retries once."""
+        try:
+            if not self.registered:
+                self._register()
+            try:
+                return fn(*args, **kwargs)
+            except NotRegistered:
+                self.registered = False
+                self._register()
+                return fn(*args, **kwargs)
+        except KvswapError as exc:
+            self.backoff.failed(exc)
+            raise
+
+    @property
+    def usable(self) -> bool:
+        """Calls are worth trying: a cache described, a client, and no recent failure."""
+        return self.client is not None and self.registration is not None and self.backoff.open
+
+    def begin_step(self) -> None:
+        """The metadata is bound before the forward, every step (``start_load_kv`` comes after
+        the forward in steps without loads): the forward's clock starts here."""
+        self._forward_started = time.perf_counter()
+
+    def start_step(self, meta: KvswapMetadata) -> None:
+        """Loads, before the forward reads the blocks (vLLM calls this before the forward in
+        steps that have loads)."""
+        if not meta.loads:
+            return
+        for load in meta.loads:
+            if self.usable:
+                self._load(load)
+            else:
+                self._errors.update(load.block_ids)
+                self._report.failed_blocks += len(load.block_ids)
+        self._forward_started = time.perf_counter()
+
+    def _load(self, load: Transfer) -> None:
+        t = time.perf_counter()
+        assert self.client is not None
+        try:
+            loaded = self._call(self.client.swap_in, load.keys, load.block_ids).loaded
+        except KvswapError as exc:
+            log.warning("kvswap connector: load of %d blocks failed (%s); recomputing", len(load.keys), exc)
+            loaded = 0
+        if loaded:
+            self._report.load_samples.append((loaded, time.perf_counter() - t))
+        self._report.loaded_blocks += loaded
+        failed = load.block_ids[loaded:]
+        self._report.failed_blocks += len(failed)
+        self._errors.update(failed)
+
+    def end_step(self, meta: KvswapMetadata) -> None:
+        """After the forward: time it, then send the blocks it completed to kvswapd without
+        waiting. The replies ("copied") are collected by :meth:`settle` at the start of the
+        next step, before vLLM zeroes or reuses any block; until then the step's output goes
+        back to the user, so a save's copy is not on the path to the first token."""
+        if self._forward_started is not None and meta.step_tokens:
+            self._report.forward_samples.append((meta.step_tokens, time.perf_counter() - self._forward_started))
+        self._forward_started = None
+        if not self.usable or not meta.saves:
+            return
+        assert self.client is not None
+        started = time.perf_counter()
+        try:
+            if not self.registered:
+                self._register()
+            for save in meta.saves:
+                step = max(1, self.write_slots or len(save.keys))
+                for i in range(0, len(save.keys), step):
+                    body = {"block_ids": tuple(save.block_ids[i:i + step]), "keys": tuple(save.keys[i:i + step]),
+                            "wait": "copied", "partial": True}
+                    self._inflight.append(self.client.send(SwapOut, body, timeout=self.timeout))
+        except KvswapError as exc:
+            # Nothing to undo: the blocks are simply not offloaded.
+            self.backoff.failed(exc)
+            log.warning("kvswap connector: save failed (%s)", exc)
+            self._report.save_failures += 1
+        self._report.save_s += time.perf_counter() - started
+
+    def settle(self) -> None:
+        """Wait for every save sent so far to be copied (vLLM calls ``handle_preemptions``
+        at the start of each step, before it zeroes new blocks or frees preempted ones)."""
+        if not self._inflight:
+            return
+        assert self.client is not None
+        started = time.perf_counter()
+        inflight, self._inflight = self._inflight, []
+        for request_id in inflight:
+            try:
+                out = self.client.wait(request_id, timeout=self.timeout)
+            except NotRegistered:
+                self.registered = False  # the daemon restarted: these blocks are not offloaded
+                self._report.save_failures += 1
+            except KvswapError as exc:
+                self.backoff.failed(exc)
+                self._report.save_failures += 1
+            else:
+                self._report.saved_blocks += out["queued"] + out["exists"]
+                self._report.save_failures += out["failed"]
+        self._report.save_s += time.perf_counter() - started
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def take_report(self) -> KvswapWorkerMetadata | None:
+        report, self._report = self._report, KvswapWorkerMetadata()
+        return report if report != KvswapWorkerMetadata() else None
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.settle()
+            try:
+                self.client.unregister()
+            except KvswapError:
+                pass
+            self.client.close()
+        if self.allocation is not None:
+            self.allocation.close()
+
+
+def _local_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return int(get_world_group().local_rank)
+    except (ImportError, AssertionError, AttributeError):
+        return 0
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (ImportError, AssertionError, AttributeError):
+        return 0
