@@ -140,8 +140,10 @@ def test_full_cap_with_everything_pinned_is_no_space(tmp_path) -> None:
     store.put("b", payload(2))
     store.index.pin(record_name("a"))
     store.index.pin(record_name("b"))
-    with pytest.raises(NoSpace):
+    with pytest.raises(NoSpace) as info:
         store.put("c", payload(3))
+    assert info.value.message == "the store is at its cap and nothing can be evicted (all records pinned or stuck)"
+    assert info.value.details == {"max_bytes": 2 * FILE, "used": 2 * FILE}
     assert store.contains("a") and store.contains("b")
 
 
@@ -256,3 +258,56 @@ def test_a_planted_symlink_or_fifo_is_never_read_through(tmp_path) -> None:
     assert not os.path.lexists(link_path) and not os.path.exists(fifo_path)
     assert target.read_bytes() == b"not yours"
     assert store.counters["corrupt"] == 2
+
+
+def test_a_record_being_read_is_never_evicted(tmp_path) -> None:
+    """Eviction that runs while a read is between its open and its checks (here: from inside
+    the read, at the Disk seam) must pass the record by."""
+    store = open_store(tmp_path)
+    store.put("k0", payload(7))
+    real_read = store.disk.read_file
+    freed = []
+
+    def read_while_evicting(path, parts):
+        freed.append(store.evict(10 * FILE, "capacity"))
+        return real_read(path, parts)
+
+    store.disk.read_file = read_while_evicting
+    out = memoryview(bytearray(RECORD))
+    assert store.get_into("k0", out) is GetStatus.LOADED
+    assert bytes(out) == bytes(payload(7))
+    assert freed == [0] and store.contains("k0")
+
+
+def test_a_write_over_the_cap_takes_the_lead_when_it_is_free(tmp_path) -> None:
+    first = open_store(tmp_path, records_cap=3)
+    second = open_store(tmp_path, records_cap=3)
+    assert first.is_leader and not second.is_leader
+    for i in range(3):
+        second.put(f"k{i}", payload(i))
+    first.close()  # the evicting daemon went away
+    second.put("k3", payload(3))  # over the cap: this writer takes the lead and evicts first
+    assert second.is_leader
+    assert files_on_disk(second) <= 3 * FILE
+    assert second.contains("k3") and not second.contains("k0")
+
+
+def test_a_stuck_file_is_logged_and_its_bytes_go_when_it_is_finally_deleted(tmp_path, monkeypatch, caplog) -> None:
+    store = open_store(tmp_path)
+    store.put("k0", payload(0))
+    stubborn = store.path_of("k0")[1]
+    real_remove = store.disk.remove
+
+    def remove(path):
+        if path == stubborn:
+            raise OSError(errno.EPERM, "Operation not permitted")
+        return real_remove(path)
+
+    monkeypatch.setattr(store.disk, "remove", remove)
+    with caplog.at_level("WARNING"):
+        assert store.evict(FILE, "capacity") == 0
+    assert f"cannot evict {stubborn}: [Errno 1] Operation not permitted; setting it aside" in caplog.text
+    assert store.usage() == {"records": 1, "bytes": FILE}  # on disk, counted, never offered again
+    monkeypatch.undo()
+    assert store.delete("k0") is True
+    assert store.usage() == {"records": 0, "bytes": 0} and store.index.stuck == 0

@@ -231,6 +231,22 @@ def test_truncated_file_is_corrupt_and_removed(store, size):
     _assert_corrupt_and_gone(store, "k")
 
 
+def test_a_wrong_sized_record_is_logged_with_its_path_key_and_reason(store, caplog):
+    store.put("k", payload_for(1))
+    _, path = store.path_of("k")
+    os.truncate(path, 300)
+    with caplog.at_level("WARNING"):
+        assert store.get_into("k", out_buffer()) is GetStatus.CORRUPT
+    assert f"corrupt record {path} for key k: record has the wrong size; removing it" in caplog.text
+    assert store.stats()["corrupt"] == 1
+
+
+def test_get_into_refuses_a_buffer_of_the_wrong_size(store):
+    with pytest.raises(ValueError) as info:
+        store.get_into("k", out_buffer(RECORD_BYTES - 1))
+    assert str(info.value) == f"output buffer of {RECORD_BYTES - 1} bytes, records hold {RECORD_BYTES}"
+
+
 def test_file_with_trailing_bytes_is_corrupt_and_removed(store):
     store.put("k", payload_for(1))
     _, path = store.path_of("k")
@@ -434,7 +450,8 @@ def test_read_failure_is_io_failure_and_keeps_the_record(store, monkeypatch):
     monkeypatch.setattr(store.disk, "read_file", _raise(errno.EIO))
     with pytest.raises(IOFailure) as info:
         store.get_into("k", out_buffer())
-    assert info.value.details["errno"] == errno.EIO
+    assert info.value.message == f"cannot read a record: {os.strerror(errno.EIO)}"
+    assert info.value.details == {"errno": errno.EIO, "path": path}
     assert os.path.exists(path)  # a failing medium is not a corrupt record
     monkeypatch.undo()
     out = out_buffer()

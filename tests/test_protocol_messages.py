@@ -438,6 +438,39 @@ def test_each_field_refusal_says_which_field_and_why(fields: dict[str, Any], cod
     assert exc.op == fields.get("op", "ping")  # counted under its op in the metrics
 
 
+ENVELOPE_REFUSALS = [
+    # (frame bytes, code, message, details)
+    (pack([1, 2]), "bad_request", "a request is a msgpack map", {}),
+    (pack({1: 2}), "bad_request", "not a msgpack message: ValueError", {}),  # map keys must be strings
+    (b"\xc1", "bad_request", "not a msgpack message: FormatError", {}),
+    (frame(id=-1), "bad_request", "id must be an integer in 0..18446744073709551615", {"field": "id"}),
+    (frame(v="x" * 40), "unsupported_version", "protocol version must be 1", {"got": repr("x" * 40)[:32]}),
+    (frame(op="o" * 70), "unknown_op", f"unknown op {'o' * 64!r}", {"known": sorted(REQUEST_TYPES)}),
+    (frame(op="lookup", keys=["a"], **{f"f{i:02d}": 0 for i in range(17)}), "bad_request",
+     "unknown fields for lookup", {"fields": [f"f{i:02d}" for i in range(16)]}),
+    (frame(op="register", layout={}), "bad_request", "missing fields for register", {"fields": ["handles", "regions"]}),
+    (frame(op="swap_in", keys=["a"], block_ids=[]), "bad_request", "keys and block_ids must have the same length",
+     {"keys": 1, "block_ids": 0}),
+    (b"\x00" * (MAX_MESSAGE_BYTES + 1), "too_large", "message of 4194305 bytes, the limit is 4194304",
+     {"size": 4194305, "limit": 4194304}),
+]
+
+
+@pytest.mark.parametrize("data, code, message, details", ENVELOPE_REFUSALS, ids=[r[2][:40] for r in ENVELOPE_REFUSALS])
+def test_each_envelope_refusal_says_why(data: bytes, code: str, message: str, details: dict[str, Any]) -> None:
+    exc = rejected(data)
+    assert (exc.error.code, exc.error.message, exc.error.details) == (code, message, details)
+    # Only a refusal after the op was read is counted under that op.
+    assert exc.op == ("lookup" if b"lookup" in data else "register" if b"register" in data
+                      else "swap_in" if b"swap_in" in data else None)
+
+
+def test_a_reply_that_is_not_a_map_is_named() -> None:
+    with pytest.raises(BadRequest) as info:
+        decode_reply(pack([1]))
+    assert info.value.message == "a reply is a msgpack map with 'ok'"
+
+
 def test_field_values_at_their_edges_are_accepted() -> None:
     assert decode_request(frame(op="hello", client="c" * 256)).client == "c" * 256
     assert decode_request(frame(op="swap_out", keys=["a"], block_ids=[0], partial=True)).partial is True
