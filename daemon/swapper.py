@@ -16,6 +16,10 @@ swap_in::
 
     validate -> per key: the in-flight write's slot, else a read slot filled from the store
     (read pool) -> verify -> scatter into the engine's blocks -> answer loaded prefix + statuses
+
+(Just over 500 lines on purpose: swap_out and swap_in read best whole, each with the
+thread-side functions it hands bytes to; registrations, staging, upkeep and the in-flight table
+already live in their own modules.)
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ with no host tier and O_DIRECT reads, so no cache can serve it; or, only with
 third daemon, buffered I/O, no host tier, reading each record a second time: the page cache);
 ping and 1,000-key lookup latency while a swap_out stream runs; host layout conversion vs
 memcpy; the daemon's CPU use while busy and while idle.
+
+(Over 500 lines on purpose: each phase sits next to the baseline it is divided by, so a reader
+can check in one place that every ratio compares like with like.)
 """
 
 from __future__ import annotations
