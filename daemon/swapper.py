@@ -36,7 +36,6 @@ from kvswap.backends.base import Backend, GetStatus, Store
 from kvswap.protocol.errors import KvswapError, NotRegistered, Timeout
 
 from .config import Config
-from .data_threads import data_pool
 from .inflight import InflightTable, InflightWrite
 from .metrics import Metrics
 from .movers.segment import SegmentShrunk
@@ -82,8 +81,7 @@ class Swapper:
         self.metrics = metrics
         self.staging = Staging(config.write_staging_bytes, config.read_staging_bytes, backends.values(), metrics)
         self.registrar = Registrar(backends, locations, self.staging, metrics)
-        self.upkeep = Upkeep(backends.values(), self.registrar, config.remote_check_interval_s,
-                             config.data_thread_nice)
+        self.upkeep = Upkeep(backends.values(), self.registrar, config.remote_check_interval_s)
         self.registrar.on_open_store = self.upkeep.start_scan
         self._inflight = InflightTable()
         self._write_tasks: set[asyncio.Task] = set()
@@ -94,11 +92,10 @@ class Swapper:
     # -- lifetime -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        nice = self.config.data_thread_nice  # below the loop's priority: see data_threads.py
-        self._write_pool = data_pool(self.config.write_threads, "kvswap-write", nice)
-        self._read_pool = data_pool(self.config.read_threads, "kvswap-read", nice)
+        self._write_pool = ThreadPoolExecutor(self.config.write_threads, thread_name_prefix="kvswap-write")
+        self._read_pool = ThreadPoolExecutor(self.config.read_threads, thread_name_prefix="kvswap-read")
         # Gathers and scatters are memory copies; one thread keeps them ordered and off the loop.
-        self._copy_pool = data_pool(1, "kvswap-copy", nice)
+        self._copy_pool = ThreadPoolExecutor(1, thread_name_prefix="kvswap-copy")
         self.registrar.start()
         self.upkeep.start()
         self.metrics.watch_stores(lambda: list(self.registrar.open_stores()))
