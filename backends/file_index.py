@@ -156,6 +156,18 @@ class RecordIndex:
             self._bytes -= size
             return name, size
 
+    def take_stranded(self) -> tuple[str, int] | None:
+        """Remove and return one unpinned stranded record (its chain lost a record before it),
+        or None: never a reachable one."""
+        with self._lock:
+            name = self._order.victim(skip=lambda n: bool(self._pins.get(n)) or not self._order.is_stranded(n))
+            if name is None:
+                return None
+            self._order.remove(name)
+            size = self._sizes.pop(name)
+            self._bytes -= size
+            return name, size
+
     def mark_stuck(self, name: str, size: int) -> None:
         with self._lock:
             if name not in self._stuck:

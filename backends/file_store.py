@@ -198,12 +198,26 @@ class FileStore(Store):
                     self._reserved -= self.file_bytes
         except BaseException:
             self.index.release(name)
+            self._drop_stranded()
             raise
         if not self.index.add(name, size, stamp):
             # Its predecessor was evicted while it was being written: nothing can reach it.
             self._discard(name, path)
+            self._drop_stranded()
             raise self._chain_broken(key)
         return size
+
+    def _drop_stranded(self) -> None:
+        """A record that was not stored strands those of its chain already written after it
+        (by other write threads): no lookup can reach them, so they go now rather than at the
+        next eviction."""
+        while (victim := self.index.take_stranded()) is not None:
+            name, _ = victim
+            try:
+                if self.disk.remove(self._path(name)):
+                    self._count("evicted_stranded", 1)
+            except OSError as exc:
+                log.warning("cannot remove stranded record %s: %s", name, exc)
 
     def _chain_broken(self, key: str) -> NoSpace:
         self._count("chain_refused", 1)
