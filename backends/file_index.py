@@ -147,20 +147,16 @@ class RecordIndex:
         """Remove and return the next record to evict (:meth:`ChainOrder.victim`: stranded
         records first, then the least recently used record no other follows), skipping pinned
         ones; or None. The caller deletes the file; if that fails it calls :meth:`mark_stuck`."""
-        with self._lock:
-            name = self._order.victim(skip=lambda n: bool(self._pins.get(n)))
-            if name is None:
-                return None
-            self._order.remove(name)
-            size = self._sizes.pop(name)
-            self._bytes -= size
-            return name, size
+        return self._take(lambda n: bool(self._pins.get(n)))
 
     def take_stranded(self) -> tuple[str, int] | None:
         """Remove and return one unpinned stranded record (its chain lost a record before it),
         or None: never a reachable one."""
+        return self._take(lambda n: bool(self._pins.get(n)) or not self._order.is_stranded(n))
+
+    def _take(self, skip) -> tuple[str, int] | None:
         with self._lock:
-            name = self._order.victim(skip=lambda n: bool(self._pins.get(n)) or not self._order.is_stranded(n))
+            name = self._order.victim(skip=skip)
             if name is None:
                 return None
             self._order.remove(name)
