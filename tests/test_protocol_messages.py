@@ -637,16 +637,20 @@ def _code(ok: bool) -> str | None:
 
 
 #: op -> field -> (check returning an error code or None, required, default)
+SPEC_OWNER: dict[str, tuple[Any, bool, Any]] = {  # who sends a swap_out, swap_in or unregister
+    "token": (lambda v: _code(type(v) is str and len(v) <= 256), False, ""),
+    "pid": (lambda v: _code(_spec_uint(v, 2**31 - 1)), False, 0),
+}
 SPEC: dict[str, dict[str, tuple[Any, bool, Any]]] = {
     "hello": {"client": (lambda v: _code(type(v) is str and len(v) <= 256), False, "")},
-    "ping": {}, "unregister": {}, "clear": {}, "flush": {}, "stats": {},
+    "ping": {}, "unregister": dict(SPEC_OWNER), "clear": {}, "flush": {}, "stats": {},
     "register": {"layout": (lambda v: _code(type(v) is dict), True, None),
                  "handles": (_spec_maps, True, None), "regions": (_spec_maps, True, None),
                  "pid": (lambda v: _code(_spec_uint(v, 2**31 - 1)), False, 0)},
     "swap_out": {"block_ids": (_spec_block_ids, True, None), "keys": (_spec_keys, True, None),
                  "wait": (lambda v: _code(v in ("copied", "persisted") and type(v) is str), False, "copied"),
-                 "partial": (lambda v: _code(type(v) is bool), False, False)},
-    "swap_in": {"keys": (_spec_keys, True, None), "block_ids": (_spec_block_ids, True, None)},
+                 "partial": (lambda v: _code(type(v) is bool), False, False), **SPEC_OWNER},
+    "swap_in": {"keys": (_spec_keys, True, None), "block_ids": (_spec_block_ids, True, None), **SPEC_OWNER},
     "lookup": {"keys": (_spec_keys, True, None)},
     "delete": {"keys": (_spec_keys, True, None)},
 }
