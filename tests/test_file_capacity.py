@@ -6,9 +6,11 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from types import SimpleNamespace
 
 import pytest
 
+from kvswap.backends import file_store
 from kvswap.backends.base import GetStatus
 from kvswap.backends.file_index import RecordIndex
 from kvswap.backends.file_store import Capacity, FileBackend, FileStore, record_name
@@ -203,6 +205,94 @@ def test_min_free_space_floor(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(store.disk, "free_bytes", lambda path: 10**6 - 5 * FILE)
     store.maintain()
     assert store.counters["evicted_min_free"] >= 5
+
+
+@pytest.mark.parametrize("records, left", [(10, 10), (11, 5)])
+def test_background_eviction_starts_above_the_high_watermark_and_stops_at_the_low(tmp_path, records, left) -> None:
+    store = open_store(tmp_path, records_cap=20, high=0.5, low=0.25)
+    for i in range(records):  # under the cap: nothing is evicted at write time
+        store.put(f"k{i}", payload(i))
+    store.maintain()  # exactly at the high watermark is not above it; one record more is
+    assert store.usage() == {"records": left, "bytes": left * FILE}
+    assert store.counters["evicted_capacity"] == records - left
+
+
+@pytest.mark.parametrize("short, evicted", [(0, 0), (1194, 2), (1195, 3)])
+def test_the_free_space_floor_evicts_the_shortfall_plus_a_twentieth_of_the_store(tmp_path, monkeypatch, short,
+                                                                                 evicted) -> None:
+    store = open_store(tmp_path, min_free_bytes=10**6)
+    for i in range(21):
+        store.put(f"k{i}", payload(i))
+    # 21 records: a twentieth of the store is 1318 bytes (more than a record), so 1194 bytes
+    # short asks for exactly two records' bytes, and one byte more for a third.
+    assert (21 * FILE // 20, 2 * FILE) == (1318, 1194 + 1318)
+    monkeypatch.setattr(store.disk, "free_bytes", lambda path: 10**6 - short if path == store.dir else 0)
+    store.maintain()
+    assert store.counters["evicted_min_free"] == evicted
+    assert store.usage()["records"] == 21 - evicted
+
+
+def test_free_bytes_is_the_file_systems_and_none_when_it_cannot_be_read(tmp_path, monkeypatch) -> None:
+    store = open_store(tmp_path)
+    assert store.free_bytes() > 0
+    monkeypatch.setattr(store.disk, "free_bytes", lambda path: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    assert store.free_bytes() is None
+
+
+def test_no_rescan_interval_means_the_start_up_scan_only(tmp_path) -> None:
+    leader = open_store(tmp_path)
+    other = open_store(tmp_path)
+    other.put("theirs", payload(1))
+    leader.maintain()
+    assert leader.is_leader and record_name("theirs") not in leader.index
+
+
+def test_rescans_come_when_the_interval_has_passed_since_the_last_one(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(file_store, "time", SimpleNamespace(monotonic=lambda: 100.0))
+    leader = FileBackend(str(tmp_path), rescan_interval_s=10).open_store(NAMESPACE, {}, RECORD)
+    leader.scan()  # at 100.0
+    other = open_store(tmp_path)
+    other.put("theirs", payload(1))
+    leader.maintain(now=109.9)
+    assert record_name("theirs") not in leader.index
+    leader.maintain(now=110.0)
+    assert record_name("theirs") in leader.index
+    other.put("later", payload(2))
+    leader.maintain(now=119.9)  # counted from the last rescan, not from the scan
+    assert record_name("later") not in leader.index
+    leader.maintain(now=120.0)
+    assert record_name("later") in leader.index
+
+
+def test_maintain_reads_the_clock_itself(tmp_path) -> None:
+    leader = FileBackend(str(tmp_path), rescan_interval_s=1e-9).open_store(NAMESPACE, {}, RECORD)
+    leader.scan()
+    open_store(tmp_path).put("theirs", payload(1))
+    leader.maintain()
+    assert record_name("theirs") in leader.index
+
+
+def test_a_swap_ins_touch_reaches_the_files_and_a_lookups_does_not(tmp_path) -> None:
+    store = open_store(tmp_path)
+    store.expect_chain(["a", "b", "c"])
+    for key in "abc":
+        store.put(key, payload(1))
+    store.put("y", payload(2))  # another chain, newer than a-b-c
+    paths = {k: store.path_of(k)[1] for k in "abcy"}
+
+    def mtimes() -> dict[str, int]:
+        return {k: os.stat(p).st_mtime_ns for k, p in paths.items()}
+
+    before = mtimes()
+    store.touch_chain(["a", "b", "c"])  # a lookup hit: recency in memory only
+    assert mtimes() == before
+    store.touch_chain(["a", "b", "c"], persist=True)  # a swap_in hit: the files take the stamps
+    after = mtimes()
+    assert after["a"] > after["b"] > after["c"] > before["y"] == after["y"]
+    store.close()
+    again = open_store(tmp_path, records_cap=4)
+    assert again.try_lead() and again.evict(FILE, "capacity") == FILE
+    assert [again.contains(k) for k in "abcy"] == [True, True, True, False]  # y is now the oldest
 
 
 def test_rescan_sees_records_other_writers_added_and_removed(tmp_path) -> None:

@@ -10,6 +10,7 @@ import os
 import socket
 import stat
 import tempfile
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 
 from kvswap.backends import file_store, record
 from kvswap.backends.base import GetStatus
+from kvswap.backends.disk import aligned_empty
 from kvswap.backends.file_store import Capacity, Disk, FileBackend, FileStore, record_name
 from kvswap.protocol.errors import IOFailure, NoSpace
 from kvswap.protocol.layout import CacheLayout
@@ -119,6 +121,13 @@ def test_get_of_missing_key_is_a_miss(store):
     assert record_files(store.backend.root) == []
 
 
+def test_cached_prefix_counts_keys_the_caller_holds_as_present(store):
+    store.put("a", payload_for(1))
+    store.put("c", payload_for(3))
+    assert store.cached_prefix(["a", "b", "c", "d"]) == 1
+    assert store.cached_prefix(["a", "b", "c", "d"], also_present={"b"}) == 3
+
+
 def test_contains(store):
     assert store.contains("a") is False
     store.put("a", payload_for(1))
@@ -137,6 +146,20 @@ def test_usage_counts_records_and_bytes(store):
     out = out_buffer()
     assert store.get_into("k0", out) is GetStatus.LOADED
     assert bytes(out) == bytes(payload_for(99))
+
+
+def test_stats_name_every_figure(root, monkeypatch):
+    clock = iter([100.0, 100.1234567, 100.2])  # the scan starts, ends, and notes when it ran
+    monkeypatch.setattr(file_store, "time", SimpleNamespace(monotonic=lambda: next(clock)))
+    per_file = 256 + RECORD_BYTES
+    capacity = Capacity(max_bytes=10 * per_file, min_free_bytes=4096)
+    store = FileBackend(root, capacity=capacity).open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
+    store.put("k", payload_for(1))
+    assert store.scan() == 1
+    assert store.stats() == {
+        "records": 1, "bytes": per_file, "leader": True, "scan_complete": True, "scan_seconds": 0.123,
+        "stuck": 0, "unreachable": 0, "max_bytes": 10 * per_file, "min_free_bytes": 4096, "direct_io": False,
+        "temp_reclaimed": 0, "scan_records": 1, "leader_elections": 1}
 
 
 def test_put_refuses_wrong_size(store):
@@ -283,6 +306,51 @@ def test_record_of_another_namespace_is_corrupt(backend):
     _assert_corrupt_and_gone(b, "k")
 
 
+# -- chains: records no lookup could reach are refused or dropped --------------------------------
+
+
+def test_a_record_whose_predecessor_went_is_refused_with_its_key(store):
+    store.expect_chain(["a", "b"])
+    store.put("a", payload_for(1))
+    assert store.delete("a") is True  # gone before b was written
+    with pytest.raises(NoSpace) as info:
+        store.put("b", payload_for(2))
+    assert info.value.message == (
+        "the record before this one in its chain was evicted; storing it would waste the space")
+    assert info.value.details == {"key": "b", "tier": "file"}
+    assert store.stats()["chain_refused"] == 1
+    assert record_files(store.backend.root) == [] and store.usage() == {"records": 0, "bytes": 0}
+
+
+def test_a_failed_write_removes_the_records_of_its_chain_already_written_after_it(store, monkeypatch):
+    store.expect_chain(["a", "b", "c", "d"])
+    store.put("c", payload_for(3))  # other write threads got there first
+    store.put("d", payload_for(4))
+    store.put("x", payload_for(9))  # no chain: stays
+    monkeypatch.setattr(store.disk, "write_file", _raise(errno.EIO))
+    with pytest.raises(IOFailure):
+        store.put("b", payload_for(2))
+    assert record_files(store.backend.root) == [store.path_of("x")[1]]
+    assert store.usage() == {"records": 1, "bytes": 256 + RECORD_BYTES}
+    assert store.stats()["evicted_stranded"] == 2
+
+
+def test_a_stranded_record_that_cannot_be_removed_is_logged_and_the_rest_still_go(store, monkeypatch, caplog):
+    store.expect_chain(["a", "b", "c"])
+    store.put("b", payload_for(2))
+    store.put("c", payload_for(3))
+    stubborn = store.path_of("b")[1]
+    _remove_failing_for(store, monkeypatch, stubborn)
+    monkeypatch.setattr(store.disk, "write_file", _raise(errno.EIO))
+    with caplog.at_level("WARNING"):
+        with pytest.raises(IOFailure):
+            store.put("a", payload_for(1))
+    assert f"cannot remove stranded record {record_name('b')}: [Errno 1] Operation not permitted" in [
+        r.getMessage() for r in caplog.records]
+    assert record_files(store.backend.root) == [stubborn]
+    assert store.stats()["evicted_stranded"] == 1
+
+
 # -- restart, sharing, layout on disk ---------------------------------------------------------
 
 
@@ -310,6 +378,7 @@ def test_contains_sees_another_instances_write_without_scan(root, store):
     store.put("k", payload_for(1))
     assert neighbour.contains("k") is True
     assert neighbour.usage()["records"] == 1
+    assert neighbour.cached_prefix(["k"]) == 1  # indexed under its own name: later lookups need no stat
     out = out_buffer()
     assert neighbour.get_into("k", out) is GetStatus.LOADED
     assert bytes(out) == bytes(payload_for(1))
@@ -356,6 +425,64 @@ def test_check_writable_creates_private_root(root):
     backend.check_writable()
     assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
     assert os.listdir(root) == []  # the probe is gone
+
+
+def test_check_writable_fails_when_the_root_refuses_new_files(root, monkeypatch):
+    real_open = os.open
+
+    def refusing(path, flags, mode=0o777, **kwargs):
+        if os.path.dirname(path) == root:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_open(path, flags, mode, **kwargs)
+
+    monkeypatch.setattr(file_store.os, "open", refusing)
+    with pytest.raises(PermissionError):
+        FileBackend(root).check_writable()
+
+
+def test_direct_io_where_the_file_system_allows_it(root, caplog):
+    if not Disk.probe_direct(os.path.dirname(root)):
+        pytest.skip("this file system refuses O_DIRECT")
+    backend = FileBackend(root, direct_io="on")
+    with caplog.at_level("INFO"):
+        backend.check_writable()
+    assert backend.disk.direct is True
+    assert f"direct I/O on in {root}" in [r.getMessage() for r in caplog.records]
+    size = 64 * 1024  # page-sized header and payload: written and read with O_DIRECT
+    store = backend.open_store(NAMESPACE, DESCRIPTION, size)
+    for i in range(2):  # the second record reuses the thread's aligned header buffers
+        payload = aligned_empty(size)
+        payload[:] = np.frombuffer(bytes(payload_for(i, size)), dtype=np.uint8)
+        assert store.put(f"k{i}", memoryview(payload)) == 4096 + size
+    for i in range(2):
+        out = aligned_empty(size)
+        assert store.get_into(f"k{i}", memoryview(out)) is GetStatus.LOADED
+        assert out.tobytes() == bytes(payload_for(i, size))
+
+
+def _no_direct_io(monkeypatch) -> None:
+    """A file system that refuses O_DIRECT (tmpfs, some network file systems)."""
+    monkeypatch.setattr(file_store.Disk, "probe_direct", staticmethod(lambda directory: False))
+
+
+def test_direct_io_on_is_refused_where_the_file_system_cannot(root, monkeypatch):
+    _no_direct_io(monkeypatch)
+    with pytest.raises(OSError) as info:
+        FileBackend(root, direct_io="on").check_writable()
+    assert (info.value.errno, info.value.strerror) == (errno.EINVAL, "O_DIRECT is not supported here (--direct-io on)")
+
+
+def test_direct_io_auto_falls_back_to_buffered_io_where_the_file_system_cannot(root, monkeypatch, caplog):
+    _no_direct_io(monkeypatch)
+    backend = FileBackend(root, direct_io="auto")
+    with caplog.at_level("INFO"):
+        backend.check_writable()
+    assert backend.disk.direct is False
+    assert f"direct I/O unavailable, using buffered I/O in {root}" in [r.getMessage() for r in caplog.records]
+    store = backend.open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
+    store.put("k", payload_for(1))
+    out = out_buffer()
+    assert store.get_into("k", out) is GetStatus.LOADED and bytes(out) == bytes(payload_for(1))
 
 
 # -- temp files: reclaim the dead, keep the living ---------------------------------------------
@@ -429,9 +556,21 @@ def test_write_without_space_is_no_space(store, monkeypatch, err):
     monkeypatch.setattr(store.disk, "write_file", _raise(err))
     with pytest.raises(NoSpace) as info:
         store.put("k", payload_for(1))
-    assert info.value.details["path"] == store.path_of("k")[1]
+    assert info.value.message == "no space left to write a record"
+    assert info.value.details == {"path": store.path_of("k")[1]}
     assert store.usage() == {"records": 0, "bytes": 0}
     assert store.contains("k") is False
+
+
+def test_a_write_error_without_an_errno_is_io_failure_with_errno_0(store, monkeypatch):
+    def fail(*args, **kwargs):
+        raise OSError("the medium said no")
+
+    monkeypatch.setattr(store.disk, "write_file", fail)
+    with pytest.raises(IOFailure) as info:
+        store.put("k", payload_for(1))
+    assert info.value.message == "cannot write a record: the medium said no"
+    assert info.value.details == {"errno": 0, "path": store.path_of("k")[1]}
 
 
 @pytest.mark.parametrize("err", [errno.EACCES, errno.EROFS, errno.EIO])
@@ -465,7 +604,45 @@ def test_delete_failure_is_io_failure(store, monkeypatch):
     monkeypatch.setattr(store.disk, "remove", _raise(errno.EROFS))
     with pytest.raises(IOFailure) as info:
         store.delete("k")
-    assert info.value.details["errno"] == errno.EROFS
+    assert info.value.message == f"cannot delete a record: {os.strerror(errno.EROFS)}"
+    assert info.value.details == {"errno": errno.EROFS, "path": store.path_of("k")[1]}
+
+
+def _remove_failing_for(store: FileStore, monkeypatch, stubborn: str) -> None:
+    real = store.disk.remove
+
+    def remove(path):
+        if path == stubborn:
+            raise OSError(errno.EPERM, "Operation not permitted")
+        return real(path)
+
+    monkeypatch.setattr(store.disk, "remove", remove)
+
+
+def test_clear_logs_a_file_it_cannot_remove_and_removes_the_rest(store, monkeypatch, caplog):
+    store.put("a", payload_for(1))
+    store.put("b", payload_for(2))
+    stubborn = store.path_of("a")[1]
+    _remove_failing_for(store, monkeypatch, stubborn)
+    with caplog.at_level("WARNING"):
+        assert store.clear() == 1
+    assert f"cannot remove {stubborn}: [Errno 1] Operation not permitted" in [r.getMessage() for r in caplog.records]
+    assert record_files(store.backend.root) == [stubborn]
+
+
+def test_a_corrupt_record_that_cannot_be_removed_is_logged_and_never_served(store, monkeypatch, caplog):
+    store.put("k", payload_for(1))
+    _, path = store.path_of("k")
+    os.truncate(path, 300)
+    _remove_failing_for(store, monkeypatch, path)
+    with caplog.at_level("WARNING"):
+        assert store.get_into("k", out_buffer()) is GetStatus.CORRUPT
+    assert f"cannot remove corrupt record {path}: [Errno 1] Operation not permitted" in [
+        r.getMessage() for r in caplog.records]
+    assert store.usage() == {"records": 0, "bytes": 0}
+    assert store.get_into("k", out_buffer()) is GetStatus.CORRUPT  # checked again, still not served
+    monkeypatch.undo()
+    _assert_corrupt_and_gone(store, "k")
 
 
 def test_vanished_file_is_a_miss(store):
