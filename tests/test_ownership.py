@@ -196,7 +196,7 @@ def test_a_token_names_one_registration(daemon: DaemonProcess, cache: HostKVCach
 # -- 2. unregister and replacing register race large swaps ------------------------------------
 
 RACER = r"""
-import json, random, sys, threading, time
+import contextlib, json, random, sys, threading, time
 from kvswap.protocol import CacheLayout, Client, HostKVCache
 from kvswap.protocol.errors import KvswapError
 
@@ -211,6 +211,7 @@ source = {name: [cache.block_record(b) for b in range(SWAP)] for name, cache in 
 codes, bad, sent = {}, [], {name: [] for name in caches}
 outcomes = {"swap_out_ok": 0, "swap_in_ok": 0, "register": 0, "unregister": 0}
 lock = threading.Lock()
+turn = threading.Lock()   # held to register or unregister, and for a whole exclusive round
 stop = time.monotonic() + seconds
 # Past `seconds`, go on until the race has happened both ways (what the test asserts), on a
 # loaded machine too, but never past 5x `seconds`.
@@ -231,9 +232,16 @@ def racer(name):
         registered = False
         while time.monotonic() < stop or (not enough() and time.monotonic() < hard_stop):
             rnd += 1
+            # Every other round is exclusive: the racer keeps `turn` from its register to its
+            # swap_in, so the other cannot replace it in between and the round must succeed
+            # whatever the machine's load. The other racer's swaps meanwhile run on a replaced
+            # registration and must be refused. The rounds between race freely.
+            exclusive = rnd % 2 == 0
+            held = turn.acquire() if exclusive else False
             try:
-                if not registered or rnd % 3 == 0:
-                    c.register(cache)          # replaces the other racer's registration
+                if exclusive or not registered or rnd % 3 == 0:
+                    with (contextlib.nullcontext() if held else turn):
+                        c.register(cache)      # replaces the other racer's registration
                     registered = True
                     outcomes["register"] += 1
                 ks = [f"{name}-{rnd}-{i}" for i in range(SWAP)]
@@ -242,30 +250,31 @@ def racer(name):
                 if any(s not in ("stored", "exists") for s in out.status):
                     bad.append(f"{name} swap_out answered ok with statuses {set(out.status)}")
                 outcomes["swap_out_ok"] += 1
-                try:
-                    r = c.swap_in(ks, list(range(SWAP, 2 * SWAP)))
-                except KvswapError as exc:
-                    if exc.code != "not_registered":
-                        raise
-                    # The other racer took the registration during our persisted swap_out (the
-                    # usual case on a loaded machine): take it back and load what we stored.
-                    note(exc.code)
-                    c.register(cache)
-                    outcomes["register"] += 1
-                    r = c.swap_in(ks, list(range(SWAP, 2 * SWAP)))
+                # Zeroed first, so bytes that land in the other racer's cache are seen here.
+                cache.zero_blocks(list(range(SWAP, 2 * SWAP)))
+                r = c.swap_in(ks, list(range(SWAP, 2 * SWAP)))
+                if held and r.loaded != SWAP:
+                    bad.append(f"{name} swap_in loaded {r.loaded} of {SWAP} records it had just stored")
                 for i in range(r.loaded):
                     if cache.block_record(SWAP + i) != source[name][i]:
                         bad.append(f"{name} swap_in answered loaded but block {SWAP + i} holds other bytes")
                         break
                 outcomes["swap_in_ok"] += 1
                 if rnd % 4 == 0:
-                    c.unregister()
+                    with (contextlib.nullcontext() if held else turn):
+                        c.unregister()
                     outcomes["unregister"] += 1
                     registered = False
             except KvswapError as exc:
+                if held:
+                    bad.append(f"{name} exclusive round {rnd} refused: {exc.code} {exc}")
                 note(exc.code)
                 registered = registered and exc.code != "not_registered"
-                time.sleep(random.uniform(0.02, 0.2))  # let the other racer finish a round now and then
+            finally:
+                if held:
+                    turn.release()
+            if not exclusive:
+                time.sleep(random.uniform(0.0, 0.05))  # let the other racer's round start now and then
 
 threads = [threading.Thread(target=racer, args=(n,)) for n in caches]
 for t in threads: t.start()
