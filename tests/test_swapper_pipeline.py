@@ -1,0 +1,216 @@
+"""The swap pipeline's answers and counts, exactly: per-key statuses and their totals, the
+blocks, bytes and lookup keys it counts in the daemon's registry, its stats, the one log line a
+request with failed writes gets, deletes that wait for writes in flight, and swap_ins larger
+than one read wave. A daemon in this process (so mutation testing sees its code), the real
+client over a real socket, a real directory; faults only at the ``Disk`` seam."""
+
+from __future__ import annotations
+
+import errno
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvswap.backends.file_store import Capacity, FileBackend
+from kvswap.protocol import Client, HostKVCache, NotRegistered
+from kvswap.protocol import messages as m
+
+from support import InProcessDaemon
+
+
+def metric(d: InProcessDaemon, name: str, **labels: str) -> float:
+    return d.daemon.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+class GatedWrites:
+    """Disk.write_file that waits until the test opens the gate."""
+
+    def __init__(self, disk) -> None:
+        self.original = disk.write_file
+        self.gate = threading.Event()
+        self.started = threading.Semaphore(0)
+        disk.write_file = self
+
+    def __call__(self, *args, **kwargs):
+        self.started.release()
+        assert self.gate.wait(30), "test never opened the write gate"
+        return self.original(*args, **kwargs)
+
+
+def test_swap_out_answers_every_key_and_counts_blocks_and_bytes(tmp_path: Path, cache: HostKVCache) -> None:
+    record = cache.layout.record_bytes
+    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        assert c.swap_out([0], ["a"], wait="persisted").status == ["stored"]
+        out = c.swap_out([0, 1, 2, 1], ["a", "b", "c", "b"], wait="persisted")
+        assert out.status == ["exists", "stored", "stored", "exists"]  # stored before, or named twice
+        assert (out.queued, out.stored, out.exists, out.skipped, out.failed) == (0, 2, 2, 0, 0)
+        gate = GatedWrites(d.daemon.backend.disk)
+        out = c.swap_out([3, 4], ["d", "e"])
+        assert out.status == ["queued", "queued"]
+        assert (out.queued, out.stored, out.exists, out.skipped, out.failed) == (2, 0, 0, 0, 0)
+        assert gate.started.acquire(timeout=10)
+        assert metric(d, "kvswap_pending_writes") == 2 and c.stats()["write_tasks"] == 1
+        flushing = c.send(m.Flush, {})
+        gate.gate.set()
+        assert c.wait(flushing)["flushed"] == 1 and c.flush() == 0  # one request's writes, then none
+        assert {s: metric(d, "kvswap_blocks_total", op="swap_out", status=s)
+                for s in ("stored", "exists", "queued")} == {"stored": 3, "exists": 2, "queued": 2}
+        assert metric(d, "kvswap_bytes_total", direction="out") == 5 * record
+        assert metric(d, "kvswap_pending_writes") == 0
+        assert metric(d, "kvswap_write_failures_total", code="io_error") == 0
+        stats = c.stats()
+        assert (stats["registered"], stats["pending_writes"], stats["write_tasks"]) == (True, 0, 0)
+        assert stats["tiers"]["file"]["records"] == 5
+
+
+def test_swap_in_and_lookup_count_what_they_found(tmp_path: Path, cache: HostKVCache) -> None:
+    record = cache.layout.record_bytes
+    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        assert c.swap_out([0, 1, 2], ["a", "b", "c"], wait="persisted").stored == 3
+        cache.zero_blocks([10, 11, 12])
+        result = c.swap_in(["a", "gone", "c"], [10, 11, 12])
+        assert (result.loaded, result.status) == (1, ["loaded", "miss", "loaded"])
+        assert cache.block_record(10) == cache.block_record(0)
+        assert cache.block_record(11) == bytes(record)
+        assert cache.block_record(12) == cache.block_record(2)
+        assert {s: metric(d, "kvswap_blocks_total", op="swap_in", status=s)
+                for s in ("loaded", "miss")} == {"loaded": 2, "miss": 1}
+        assert metric(d, "kvswap_bytes_total", direction="in") == 2 * record
+        assert c.lookup(["a", "b", "gone", "c"]) == 2
+        assert c.lookup(["gone", "a"]) == 0
+        assert {r: metric(d, "kvswap_lookup_keys_total", result=r) for r in ("hit", "miss")} == {"hit": 2, "miss": 4}
+
+
+def test_lookup_asks_the_directory_for_keys_the_index_does_not_know(tmp_path: Path, cache: HostKVCache) -> None:
+    root = tmp_path / "s"
+    with InProcessDaemon(root) as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        assert c.swap_out([0], ["mine"], wait="persisted").stored == 1
+        namespace = cache.layout.fingerprint()
+        neighbour = FileBackend(str(root)).open_store(namespace, cache.layout.to_wire(), cache.layout.record_bytes)
+        neighbour.put("theirs", memoryview(cache.block_record(5)))  # another daemon sharing the directory
+        neighbour.put("also-theirs", memoryview(cache.block_record(6)))
+        assert c.lookup(["mine", "theirs", "also-theirs", "nobody"]) == 3
+        cache.zero_blocks([20, 21])
+        assert c.swap_in(["theirs", "also-theirs"], [20, 21]).loaded == 2
+        assert [cache.block_record(20), cache.block_record(21)] == [cache.block_record(5), cache.block_record(6)]
+
+
+def test_failed_writes_are_one_log_line_per_request_and_counted_by_code(tmp_path: Path, cache: HostKVCache,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        disk = d.daemon.backend.disk
+
+        def failing(*args, **kwargs):
+            raise OSError(errno.EIO, "Input/output error")
+
+        disk.write_file = failing
+        with caplog.at_level("WARNING"):
+            out = c.swap_out([1, 2, 3], ["x1", "x2", "x3"], wait="persisted")
+        # x1's write failed; x2 and x3 follow it in their chain, so no lookup could reach them.
+        assert out.status == ["io_error", "no_space", "no_space"]
+        assert (out.queued, out.stored, out.exists, out.skipped, out.failed) == (0, 0, 0, 0, 3)
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("swap_out:")]
+        assert lines == [  # the commonest failure first
+            "swap_out: 3 of 3 records not stored: tier file: no_space x2 (the record before this one in its chain"
+            " was evicted; storing it would waste the space); tier file: io_error x1 (cannot write a record:"
+            " Input/output error)"]
+        assert {code: metric(d, "kvswap_write_failures_total", code=code)
+                for code in ("io_error", "no_space")} == {"io_error": 1, "no_space": 2}
+        assert metric(d, "kvswap_blocks_total", op="swap_out", status="io_error") == 1
+        assert metric(d, "kvswap_blocks_total", op="swap_out", status="no_space") == 2
+        assert metric(d, "kvswap_pending_writes") == 0 and c.stats()["pending_writes"] == 0
+
+
+def test_stats_describe_the_registration_its_tiers_and_staging(tmp_path: Path, cache: HostKVCache) -> None:
+    host_bytes = 1 << 20
+    with InProcessDaemon(tmp_path / "s", host_tier_bytes=host_bytes) as d, Client(d.endpoint, timeout=10) as c:
+        assert c.stats()["registered"] is False and "registration" not in c.stats()
+        c.register(cache)
+        assert c.swap_out([0, 1], ["a", "b"], wait="persisted").stored == 2
+        stats = c.stats()
+        assert stats["registration"]["namespace"] == cache.layout.fingerprint()
+        assert stats["locations"] == {"store": ["host", "file"], "retrieve": ["host", "file"], "promote_to_host": True}
+        assert sorted(stats["tiers"]) == ["file", "host"]
+        assert stats["tiers"]["host"]["capacity_bytes"] == host_bytes
+        assert "capacity_bytes" not in stats["tiers"]["file"]
+        assert "url" not in stats["tiers"]["file"] and "url" not in stats["tiers"]["host"]
+        assert stats["tiers"]["file"]["records"] == 2 and stats["tiers"]["host"]["records"] == 2
+        for pool in ("write_staging", "read_staging"):
+            assert set(stats[pool]) == {"slots", "free", "slot_bytes"} and stats[pool]["free"] == stats[pool]["slots"]
+        assert {t: metric(d, "kvswap_stored_records", tier=t) for t in ("host", "file")} == {"host": 2, "file": 2}
+        record_file = 256 + cache.layout.record_bytes if cache.layout.record_bytes < 65536 else None
+        assert metric(d, "kvswap_stored_bytes", tier="file") == 2 * record_file
+        assert metric(d, "kvswap_tier_healthy", tier="file") == 1
+
+
+def test_a_delete_waits_for_the_write_in_flight_and_is_not_undone(tmp_path: Path, cache: HostKVCache) -> None:
+    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        gate = GatedWrites(d.daemon.backend.disk)
+        assert c.swap_out([0, 1], ["k", "other"]).queued == 2
+        assert gate.started.acquire(timeout=10)
+        sent = c.send(m.Delete, {"keys": ("k",)})
+        assert c.ping() < 5  # the delete waits without holding the loop
+        gate.gate.set()
+        assert c.wait(sent)["deleted"] == 1  # after the write landed, so it is gone for good
+        c.flush()
+        assert c.lookup(["k"]) == 0 and c.lookup(["other"]) == 1
+        assert c.stats()["tiers"]["file"]["records"] == 1
+
+
+def test_clear_waits_for_pending_writes_and_counts_what_it_removed(tmp_path: Path, cache: HostKVCache) -> None:
+    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        gate = GatedWrites(d.daemon.backend.disk)
+        assert c.swap_out([0, 1, 2], ["a", "b", "c"]).queued == 3
+        assert gate.started.acquire(timeout=10)
+        sent = c.send(m.Clear, {})
+        gate.gate.set()
+        assert c.wait(sent)["deleted"] == 3
+        assert c.stats()["tiers"]["file"]["records"] == 0 and c.lookup(["a"]) == 0
+
+
+def test_a_tier_that_fails_a_delete_is_logged_and_the_others_answer(tmp_path: Path, cache: HostKVCache,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    with InProcessDaemon(tmp_path / "s", host_tier_bytes=1 << 20) as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        assert c.swap_out([0, 1], ["a", "b"], wait="persisted").stored == 2
+
+        def failing(path):
+            raise OSError(errno.EROFS, "Read-only file system")
+
+        d.daemon.backend.disk.remove = failing
+        with caplog.at_level("WARNING"):
+            assert c.delete(["a", "b"]) == 2  # the host tier deleted both
+        assert "file tier: cannot delete a record: Read-only file system" in [r.getMessage() for r in caplog.records]
+        assert c.delete(["a", "b"]) == 0
+
+
+def test_a_swap_in_larger_than_a_read_wave_loads_every_block(tmp_path: Path, cache: HostKVCache) -> None:
+    record = cache.layout.record_bytes
+    slot = -(-record // 4096) * 4096
+    with InProcessDaemon(tmp_path / "s", read_staging_bytes=4 * slot) as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        assert c.stats()["read_staging"]["slots"] == 4  # waves of two keys
+        keys = [f"w{i}" for i in range(7)]
+        assert c.swap_out(list(range(7)), keys, wait="persisted").stored == 7
+        targets = list(range(20, 27))
+        cache.zero_blocks(targets)
+        result = c.swap_in(keys, targets)
+        assert (result.loaded, result.status) == (7, ["loaded"] * 7)
+        assert [cache.block_record(t) for t in targets] == [cache.block_record(b) for b in range(7)]
+        assert c.stats()["read_staging"]["free"] == 4
+
+
+def test_requests_that_need_a_registration_say_so_before_one_exists(tmp_path: Path) -> None:
+    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+        for call in (lambda: c.lookup(["a"]), lambda: c.delete(["a"]), c.clear):
+            with pytest.raises(NotRegistered) as err:
+                call()
+            assert err.value.message == "no cache is registered; send register first"
+        assert c.stats()["registered"] is False and c.stats()["pending_writes"] == 0
