@@ -167,12 +167,21 @@ def test_enospc_evicts_and_retries_once(tmp_path, monkeypatch) -> None:
     store.put("new", payload(9))
     assert calls["n"] == 2
     assert store.counters["enospc_retries"] == 1
-    assert store.counters["evicted_enospc"] >= 1
-    assert store.contains("new")
+    assert store.counters["evicted_enospc"] == 2  # room for two records, then the one retry
+    assert store.contains("new") and store.usage()["records"] == 8 - 2 + 1
 
     monkeypatch.setattr(store.disk, "write_file", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
     with pytest.raises(NoSpace):
         store.put("never", payload(10))
+
+
+def test_the_leader_says_so_and_names_itself_in_the_lock_file(tmp_path, caplog) -> None:
+    with caplog.at_level("INFO"):
+        store = open_store(tmp_path)  # alone on its directory: it leads from its scan on
+    assert store.is_leader and store.counters["leader_elections"] == 1
+    assert f"this daemon now evicts for namespace {NAMESPACE}" in [r.getMessage() for r in caplog.records]
+    with open(os.path.join(store.dir, "evict.lock")) as f:
+        assert f.read() == f"{store.backend._writer_tag}\n"
 
 
 def test_one_leader_per_namespace_and_takeover(tmp_path) -> None:

@@ -10,6 +10,7 @@ import os
 import socket
 import stat
 import tempfile
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -163,8 +164,9 @@ def test_stats_name_every_figure(root, monkeypatch):
 
 
 def test_put_refuses_wrong_size(store):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError) as info:
         store.put("k", payload_for(1, RECORD_BYTES - 1))
+    assert str(info.value) == f"payload of {RECORD_BYTES - 1} bytes, the namespace stores {RECORD_BYTES}"
     with pytest.raises(ValueError):
         store.put("k", payload_for(1, RECORD_BYTES + 1))
     assert record_files(store.backend.root) == []
@@ -322,6 +324,52 @@ def test_a_record_whose_predecessor_went_is_refused_with_its_key(store):
     assert record_files(store.backend.root) == [] and store.usage() == {"records": 0, "bytes": 0}
 
 
+def test_a_record_whose_predecessor_goes_while_it_is_written_is_removed_and_refused(store, monkeypatch):
+    store.expect_chain(["a", "b"])
+    store.put("a", payload_for(1))
+    real_write = store.disk.write_file
+
+    def write_while_a_goes(*args, **kwargs):
+        assert store.delete("a") is True  # evicted (or deleted) by another thread meanwhile
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(store.disk, "write_file", write_while_a_goes)
+    with pytest.raises(NoSpace) as info:
+        store.put("b", payload_for(2))
+    assert info.value.details == {"key": "b", "tier": "file"}
+    assert record_files(store.backend.root) == [] and store.usage() == {"records": 0, "bytes": 0}
+
+
+def test_a_record_keeps_the_recency_it_was_given_before_its_write(root, monkeypatch):
+    """A slow write does not make its record look newer than one written meanwhile: in memory,
+    as in its file's mtime, it is as old as the moment it was stamped."""
+    per_file = 256 + RECORD_BYTES
+    store = FileBackend(root, capacity=Capacity(max_bytes=10 * per_file)).open_store(NAMESPACE, DESCRIPTION,
+                                                                                      RECORD_BYTES)
+    store.scan()
+    real_write = store.disk.write_file
+    slow_path = store.path_of("slow")[1]
+    writing, go = threading.Event(), threading.Event()
+
+    def held(tmp, final, *args, **kwargs):
+        if final == slow_path:
+            writing.set()
+            assert go.wait(10)
+        return real_write(tmp, final, *args, **kwargs)
+
+    monkeypatch.setattr(store.disk, "write_file", held)
+    slow = threading.Thread(target=store.put, args=("slow", payload_for(1)))
+    slow.start()
+    assert writing.wait(10)
+    store.put("fast", payload_for(2))  # stamped after "slow", stored before it
+    go.set()
+    slow.join(10)
+    assert store.contains("slow") and store.contains("fast")
+    assert os.stat(slow_path).st_mtime_ns < os.stat(store.path_of("fast")[1]).st_mtime_ns
+    assert store.evict(1, "capacity") == per_file
+    assert (store.contains("slow"), store.contains("fast")) == (False, True)
+
+
 def test_a_failed_write_removes_the_records_of_its_chain_already_written_after_it(store, monkeypatch):
     store.expect_chain(["a", "b", "c", "d"])
     store.put("c", payload_for(3))  # other write threads got there first
@@ -409,6 +457,24 @@ def test_namespace_json_holds_the_description(root, store):
     assert meta["record_format"] == record.FORMAT_VERSION
     assert meta["layout"] == json.loads(json.dumps(DESCRIPTION))
     assert tmp_files(store) == []  # written through a temp file that was renamed away
+
+
+def test_a_new_namespace_directory_holds_its_description_and_temp_folder_only(root, store):
+    assert sorted(os.listdir(os.path.join(root, NAMESPACE))) == ["namespace.json", "tmp"]
+    stats = store.stats()  # before its start-up scan
+    assert (stats["scan_complete"], stats["scan_seconds"], stats["leader"]) == (False, 0.0, False)
+
+
+@pytest.mark.parametrize("err, exc, message", [
+    (errno.EACCES, IOFailure, f"cannot prepare the namespace directory: {os.strerror(errno.EACCES)}"),
+    (errno.ENOSPC, NoSpace, "no space left to prepare the namespace directory")])
+def test_a_namespace_directory_that_cannot_be_made_is_a_typed_error(root, monkeypatch, err, exc, message):
+    backend = FileBackend(root)
+    monkeypatch.setattr(backend.disk, "make_dirs", _raise(err))
+    with pytest.raises(exc) as info:
+        backend.open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
+    assert info.value.message == message
+    assert info.value.details["path"] == os.path.join(root, NAMESPACE)
 
 
 def test_reopening_keeps_namespace_json(root, store):
