@@ -40,6 +40,24 @@ def files_on_disk(store: FileStore) -> int:
     return total
 
 
+@pytest.mark.parametrize("limits, message", [
+    ({"max_bytes": -1}, "capacity limits must be >= 0"),
+    ({"min_free_bytes": -1}, "capacity limits must be >= 0"),
+    ({"low": 0.0, "high": 0.5}, "watermarks must satisfy 0 < low < high <= 1"),
+    ({"low": 0.5, "high": 0.5}, "watermarks must satisfy 0 < low < high <= 1"),
+    ({"low": 0.5, "high": 1.5}, "watermarks must satisfy 0 < low < high <= 1"),
+])
+def test_capacity_refuses_negative_limits_and_disordered_watermarks(limits, message) -> None:
+    with pytest.raises(ValueError) as info:
+        Capacity(**limits)
+    assert str(info.value) == message
+
+
+def test_capacity_allows_a_high_watermark_at_the_cap() -> None:
+    assert (Capacity(max_bytes=10, high=1.0, low=0.5).high, Capacity().max_bytes, Capacity().min_free_bytes) == (
+        1.0, 0, 0)
+
+
 def test_index_orders_by_recency_and_skips_pins() -> None:
     index = RecordIndex()
     for name in "abcd":
@@ -252,7 +270,7 @@ def test_no_rescan_interval_means_the_start_up_scan_only(tmp_path) -> None:
     leader = open_store(tmp_path)
     other = open_store(tmp_path)
     other.put("theirs", payload(1))
-    leader.maintain()
+    leader.maintain(now=leader._last_rescan + 10**6)  # however late
     assert leader.is_leader and record_name("theirs") not in leader.index
 
 

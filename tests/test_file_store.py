@@ -489,6 +489,7 @@ def test_reopening_keeps_namespace_json(root, store):
 def test_check_writable_creates_private_root(root):
     backend = FileBackend(root)
     backend.check_writable()
+    assert backend.disk.direct is False  # direct I/O is off unless asked for, even where it works
     assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
     assert os.listdir(root) == []  # the probe is gone
 
@@ -838,6 +839,12 @@ def test_temp_file_is_named_for_its_writer_and_removed_on_failure(root, monkeypa
     assert parts[-1] == "tmp"
     assert tmp_files(store) == []
     assert record_files(root) == []
+
+
+def test_direct_io_mode_is_checked(root):
+    with pytest.raises(ValueError) as info:
+        FileBackend(root, direct_io="maybe")
+    assert str(info.value) == "direct_io must be one of ('auto', 'on', 'off')"
 
 
 def test_fsync_mode_is_checked():
