@@ -7,16 +7,17 @@ client over a real socket, a real directory; faults only at the ``Disk`` seam.""
 from __future__ import annotations
 
 import errno
+import os
 import threading
 from pathlib import Path
 
 import pytest
 
 from kvswap.backends.file_store import Capacity, FileBackend
-from kvswap.protocol import Client, HostKVCache, NotRegistered
+from kvswap.protocol import Client, HostKVCache, InvalidLayout, NotRegistered
 from kvswap.protocol import messages as m
 
-from support import InProcessDaemon
+from support import InProcessDaemon, wait_until
 
 
 def metric(d: InProcessDaemon, name: str, **labels: str) -> float:
@@ -214,3 +215,48 @@ def test_requests_that_need_a_registration_say_so_before_one_exists(tmp_path: Pa
                 call()
             assert err.value.message == "no cache is registered; send register first"
         assert c.stats()["registered"] is False and c.stats()["pending_writes"] == 0
+
+
+def _truncate(cache: HostKVCache, size: int) -> None:
+    fd = os.open(f"/dev/shm/{cache.segment.name}", os.O_RDWR)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+def test_a_shrunk_segment_releases_the_registration_with_one_log_line(tmp_path: Path, layout,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    # This process is the engine and, here, the daemon too: after a truncate neither may touch
+    # the mapping (SIGBUS), so expected bytes are taken first and the mover must refuse first.
+    cache = HostKVCache.create(layout)
+    try:
+        cache.fill_random(4)
+        expected = cache.block_record(0)
+        with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+            c.register(cache)
+            assert c.swap_out([0], ["s0"], wait="persisted").stored == 1
+            _truncate(cache, 4096)
+            with caplog.at_level("WARNING"), pytest.raises(InvalidLayout) as err:
+                c.swap_out([1], ["s1"], wait="persisted")
+            assert err.value.details["reason"] == "segment_shrunk"
+            assert wait_until(lambda: metric(d, "kvswap_registrations_total", event="segment_shrunk") == 1)
+            lines = [r.getMessage() for r in caplog.records if "releasing its registration" in r.getMessage()]
+            assert lines == [f"pid {os.getpid()}: shared memory {cache.segment.name!r} shrank to 4096 bytes; the "
+                             f"registration needs {cache.segment.size}; releasing its registration"]
+            with pytest.raises(NotRegistered):
+                c.swap_in(["s0"], [9])
+            _truncate(cache, cache.segment.size)  # zeros again, full size: registered anew, shrunk again
+            c.register(cache)
+            _truncate(cache, 0)
+            with pytest.raises(InvalidLayout) as err:  # the scatter of a swap_in finds it first
+                c.swap_in(["s0"], [9])
+            assert err.value.details["reason"] == "segment_shrunk"
+            assert wait_until(lambda: metric(d, "kvswap_registrations_total", event="segment_shrunk") == 2)
+            with HostKVCache.create(layout) as fresh:
+                c.register(fresh)
+                fresh.zero_blocks([9])
+                assert c.swap_in(["s0"], [9]).loaded == 1
+                assert fresh.block_record(9) == expected
+    finally:
+        cache.close()
