@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvswap.backends.file_store import Capacity, FileBackend
-from kvswap.protocol import Client, HostKVCache, InvalidLayout, NotRegistered
+from kvswap.backends import record
+from kvswap.backends.file_store import FileBackend
+from kvswap.protocol import Client, HostKVCache, InvalidLayout, NotRegistered, Timeout
 from kvswap.protocol import messages as m
 
 from support import InProcessDaemon, wait_until
@@ -144,7 +145,7 @@ def test_stats_describe_the_registration_its_tiers_and_staging(tmp_path: Path, c
         for pool in ("write_staging", "read_staging"):
             assert set(stats[pool]) == {"slots", "free", "slot_bytes"} and stats[pool]["free"] == stats[pool]["slots"]
         assert {t: metric(d, "kvswap_stored_records", tier=t) for t in ("host", "file")} == {"host": 2, "file": 2}
-        record_file = 256 + cache.layout.record_bytes if cache.layout.record_bytes < 65536 else None
+        record_file = record.header_len_for(cache.layout.record_bytes) + cache.layout.record_bytes
         assert metric(d, "kvswap_stored_bytes", tier="file") == 2 * record_file
         assert metric(d, "kvswap_tier_healthy", tier="file") == 1
 
@@ -260,3 +261,67 @@ def test_a_shrunk_segment_releases_the_registration_with_one_log_line(tmp_path: 
                 assert fresh.block_record(9) == expected
     finally:
         cache.close()
+
+
+def test_a_lookup_renews_its_hit_prefix_so_eviction_takes_an_older_chain(tmp_path: Path, cache: HostKVCache) -> None:
+    per_file = record.header_len_for(cache.layout.record_bytes) + cache.layout.record_bytes
+    # One read thread: the lookup's touch runs before the next request's work on that thread.
+    with InProcessDaemon(tmp_path / "s", storage_max_bytes=4 * per_file, read_threads=1) as d, \
+            Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        assert wait_until(lambda: c.stats()["tiers"]["file"]["leader"])  # enforces the cap once scanned
+        assert c.swap_out([0, 1], ["a0", "a1"], wait="persisted").stored == 2
+        assert c.swap_out([2, 3], ["b0", "b1"], wait="persisted").stored == 2
+        assert c.lookup(["a0", "a1"]) == 2  # chain a is now newer than chain b
+        assert c.swap_out([4, 5], ["c0", "c1"], wait="persisted").stored == 2  # over the cap: b goes
+        assert (c.lookup(["a0", "a1"]), c.lookup(["b0", "b1"]), c.lookup(["c0", "c1"])) == (2, 0, 2)
+
+
+def test_a_failed_touch_of_a_hit_prefix_is_logged_and_the_answers_stand(tmp_path: Path, cache: HostKVCache,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        assert c.swap_out([0], ["a"], wait="persisted").stored == 1
+        tiers = d.daemon.swapper.registration.tiers
+
+        def failing(keys, persist=False):
+            raise OSError(errno.EIO, f"touch of {len(keys)} failed (persist={persist})")
+
+        tiers.touch_chain = failing
+
+        def logged() -> list[str]:
+            return [r.getMessage() for r in caplog.records if r.getMessage().startswith("background task failed")]
+
+        with caplog.at_level("WARNING"):
+            assert c.lookup(["a", "b"]) == 1
+            assert wait_until(lambda: len(logged()) == 1)
+            cache.zero_blocks([9])
+            assert c.swap_in(["a"], [9]).loaded == 1
+            assert wait_until(lambda: len(logged()) == 2)
+        assert logged() == ["background task failed: [Errno 5] touch of 1 failed (persist=False)",
+                            "background task failed: [Errno 5] touch of 1 failed (persist=True)"]
+        assert cache.block_record(9) == cache.block_record(0)
+
+
+def test_a_record_read_after_its_deadline_is_not_scattered_and_counts_as_an_error(tmp_path: Path,
+                                                                                   cache: HostKVCache) -> None:
+    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        assert c.swap_out([1], ["slow"], wait="persisted").stored == 1
+        disk = d.daemon.backend.disk
+        real_read = disk.read_file
+        release = threading.Event()
+
+        def held(path, parts):
+            assert release.wait(10)
+            return real_read(path, parts)
+
+        disk.read_file = held
+        cache.zero_blocks([9])
+        with pytest.raises(Timeout):
+            c.swap_in(["slow"], [9], timeout=0.2)
+        release.set()  # the read ends after the deadline: the engine may have reused block 9
+        assert wait_until(lambda: metric(d, "kvswap_blocks_total", op="swap_in", status="error") == 1)
+        assert metric(d, "kvswap_blocks_total", op="swap_in", status="loaded") == 0
+        assert metric(d, "kvswap_bytes_total", direction="in") == 0
+        assert cache.block_record(9) == bytes(cache.layout.record_bytes)
