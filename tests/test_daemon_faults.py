@@ -25,6 +25,12 @@ class GatedWrites:
         self.started = threading.Semaphore(0)
         disk.write_file = self
 
+    def __enter__(self) -> "GatedWrites":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.gate.set()  # a held write must not outlive a failed test (the daemon waits for it)
+
     def __call__(self, *args, **kwargs):
         self.started.release()
         assert self.gate.wait(30), "test never opened the write gate"
@@ -34,24 +40,24 @@ class GatedWrites:
 def test_swap_in_of_a_key_still_being_written_returns_its_data(tmp_path: Path, cache: HostKVCache) -> None:
     with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
-        gate = GatedWrites(d.daemon.backend.disk)
-        expected = [cache.block_record(b) for b in (3, 4)]
-        out = c.swap_out([3, 4], ["w0", "w1"], wait="copied")
-        assert out.status == ["queued", "queued"]
-        assert gate.started.acquire(timeout=10)
-        assert c.stats()["pending_writes"] == 2
-        # Nothing is on disk yet; the daemon serves the staged bytes.
-        assert c.lookup(["w0", "w1"]) == 2
-        cache.zero_blocks([10, 11])
-        result = c.swap_in(["w0", "w1"], [10, 11])
-        assert result.status == ["loaded", "loaded"]
-        assert [cache.block_record(10), cache.block_record(11)] == expected
-        # Pings and lookups are answered while writes are stuck.
-        assert c.ping() < 1.0
-        gate.gate.set()
-        c.flush()
-        assert c.stats()["pending_writes"] == 0
-        assert c.stats()["tiers"]["file"]["records"] == 2
+        with GatedWrites(d.daemon.backend.disk) as gate:  # opened on the way out, even when a check fails
+            expected = [cache.block_record(b) for b in (3, 4)]
+            out = c.swap_out([3, 4], ["w0", "w1"], wait="copied")
+            assert out.status == ["queued", "queued"]
+            assert gate.started.acquire(timeout=10)
+            assert c.stats()["pending_writes"] == 2
+            # Nothing is on disk yet; the daemon serves the staged bytes.
+            assert c.lookup(["w0", "w1"]) == 2
+            cache.zero_blocks([10, 11])
+            result = c.swap_in(["w0", "w1"], [10, 11])
+            assert result.status == ["loaded", "loaded"]
+            assert [cache.block_record(10), cache.block_record(11)] == expected
+            # Pings and lookups are answered while writes are stuck.
+            assert c.ping() < 1.0
+            gate.gate.set()
+            c.flush()
+            assert c.stats()["pending_writes"] == 0
+            assert c.stats()["tiers"]["file"]["records"] == 2
 
 
 def test_full_disk_is_a_typed_status_and_reads_keep_working(tmp_path: Path, cache: HostKVCache) -> None:
@@ -121,14 +127,14 @@ def test_read_errors_are_per_key_statuses(tmp_path: Path, cache: HostKVCache) ->
 def test_a_stuck_write_times_out_with_an_answer(tmp_path: Path, cache: HostKVCache) -> None:
     with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
-        gate = GatedWrites(d.daemon.backend.disk)
-        with pytest.raises(Timeout) as err:
-            c.swap_out([0], ["slow"], wait="persisted", timeout=0.3)
-        assert err.value.details.get("timeout_ms") == 300  # the daemon's own answer, not a local one
-        assert c.ping() < 1.0
-        gate.gate.set()
-        c.flush()
-        assert c.lookup(["slow"]) == 1
+        with GatedWrites(d.daemon.backend.disk) as gate:  # opened on the way out, even when a check fails
+            with pytest.raises(Timeout) as err:
+                c.swap_out([0], ["slow"], wait="persisted", timeout=0.3)
+            assert err.value.details.get("timeout_ms") == 300  # the daemon's own answer, not a local one
+            assert c.ping() < 1.0
+            gate.gate.set()
+            c.flush()
+            assert c.lookup(["slow"]) == 1
 
 
 def test_full_write_staging_answers_busy(tmp_path: Path, cache: HostKVCache) -> None:
@@ -136,16 +142,16 @@ def test_full_write_staging_answers_busy(tmp_path: Path, cache: HostKVCache) -> 
     with InProcessDaemon(tmp_path / "s", write_staging_bytes=4 * max(record, 4096)) as d, \
             Client(d.endpoint, timeout=10) as c:
         c.register(cache)
-        gate = GatedWrites(d.daemon.backend.disk)
-        assert c.swap_out([0, 1, 2, 3], ["b0", "b1", "b2", "b3"]).queued == 4
-        with pytest.raises(Busy) as err:
-            c.swap_out([4], ["b4"])
-        assert err.value.details == {"needed": 1, "free": 0, "pending_writes": 4}
-        # Reads have their own staging and still work.
-        assert c.swap_in(["b0"], [20]).loaded == 1
-        gate.gate.set()
-        c.flush()
-        assert c.swap_out([4], ["b4"], wait="persisted").status == ["stored"]
+        with GatedWrites(d.daemon.backend.disk) as gate:  # opened on the way out, even when a check fails
+            assert c.swap_out([0, 1, 2, 3], ["b0", "b1", "b2", "b3"]).queued == 4
+            with pytest.raises(Busy) as err:
+                c.swap_out([4], ["b4"])
+            assert err.value.details == {"needed": 1, "free": 0, "pending_writes": 4}
+            # Reads have their own staging and still work.
+            assert c.swap_in(["b0"], [20]).loaded == 1
+            gate.gate.set()
+            c.flush()
+            assert c.swap_out([4], ["b4"], wait="persisted").status == ["stored"]
 
 
 def test_partial_swap_out_stores_what_fits_and_says_which(tmp_path: Path, cache: HostKVCache) -> None:
@@ -153,12 +159,12 @@ def test_partial_swap_out_stores_what_fits_and_says_which(tmp_path: Path, cache:
     with InProcessDaemon(tmp_path / "s", write_staging_bytes=3 * max(record, 4096)) as d, \
             Client(d.endpoint, timeout=10) as c:
         c.register(cache)
-        gate = GatedWrites(d.daemon.backend.disk)
-        first = c.swap_out([0, 1], ["p0", "p1"])
-        assert first.queued == 2
-        out = c.swap_out([2, 3, 4], ["p2", "p3", "p4"], partial=True)
-        assert out.status == ["queued", "skipped", "skipped"]
-        assert (out.queued, out.skipped, out.failed) == (1, 2, 0)
-        gate.gate.set()
-        c.flush()
-        assert c.lookup(["p0", "p1", "p2", "p3"]) == 3
+        with GatedWrites(d.daemon.backend.disk) as gate:  # opened on the way out, even when a check fails
+            first = c.swap_out([0, 1], ["p0", "p1"])
+            assert first.queued == 2
+            out = c.swap_out([2, 3, 4], ["p2", "p3", "p4"], partial=True)
+            assert out.status == ["queued", "skipped", "skipped"]
+            assert (out.queued, out.skipped, out.failed) == (1, 2, 0)
+            gate.gate.set()
+            c.flush()
+            assert c.lookup(["p0", "p1", "p2", "p3"]) == 3

@@ -34,6 +34,12 @@ class GatedWrites:
         self.started = threading.Semaphore(0)
         disk.write_file = self
 
+    def __enter__(self) -> "GatedWrites":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.gate.set()  # a held write must not outlive a failed test (the daemon waits for it)
+
     def __call__(self, *args, **kwargs):
         self.started.release()
         assert self.gate.wait(30), "test never opened the write gate"
@@ -48,23 +54,23 @@ def test_swap_out_answers_every_key_and_counts_blocks_and_bytes(tmp_path: Path, 
         out = c.swap_out([0, 1, 2, 1], ["a", "b", "c", "b"], wait="persisted")
         assert out.status == ["exists", "stored", "stored", "exists"]  # stored before, or named twice
         assert (out.queued, out.stored, out.exists, out.skipped, out.failed) == (0, 2, 2, 0, 0)
-        gate = GatedWrites(d.daemon.backend.disk)
-        out = c.swap_out([3, 4], ["d", "e"])
-        assert out.status == ["queued", "queued"]
-        assert (out.queued, out.stored, out.exists, out.skipped, out.failed) == (2, 0, 0, 0, 0)
-        assert gate.started.acquire(timeout=10)
-        assert metric(d, "kvswap_pending_writes") == 2 and c.stats()["write_tasks"] == 1
-        flushing = c.send(m.Flush, {})
-        gate.gate.set()
-        assert c.wait(flushing)["flushed"] == 1 and c.flush() == 0  # one request's writes, then none
-        assert {s: metric(d, "kvswap_blocks_total", op="swap_out", status=s)
-                for s in ("stored", "exists", "queued")} == {"stored": 3, "exists": 2, "queued": 2}
-        assert metric(d, "kvswap_bytes_total", direction="out") == 5 * record
-        assert metric(d, "kvswap_pending_writes") == 0
-        assert metric(d, "kvswap_write_failures_total", code="io_error") == 0
-        stats = c.stats()
-        assert (stats["registered"], stats["pending_writes"], stats["write_tasks"]) == (True, 0, 0)
-        assert stats["tiers"]["file"]["records"] == 5
+        with GatedWrites(d.daemon.backend.disk) as gate:  # opened on the way out, even when a check fails
+            out = c.swap_out([3, 4], ["d", "e"])
+            assert out.status == ["queued", "queued"]
+            assert (out.queued, out.stored, out.exists, out.skipped, out.failed) == (2, 0, 0, 0, 0)
+            assert gate.started.acquire(timeout=10)
+            assert metric(d, "kvswap_pending_writes") == 2 and c.stats()["write_tasks"] == 1
+            flushing = c.send(m.Flush, {})
+            gate.gate.set()
+            assert c.wait(flushing)["flushed"] == 1 and c.flush() == 0  # one request's writes, then none
+            assert {s: metric(d, "kvswap_blocks_total", op="swap_out", status=s)
+                    for s in ("stored", "exists", "queued")} == {"stored": 3, "exists": 2, "queued": 2}
+            assert metric(d, "kvswap_bytes_total", direction="out") == 5 * record
+            assert metric(d, "kvswap_pending_writes") == 0
+            assert metric(d, "kvswap_write_failures_total", code="io_error") == 0
+            stats = c.stats()
+            assert (stats["registered"], stats["pending_writes"], stats["write_tasks"]) == (True, 0, 0)
+            assert stats["tiers"]["file"]["records"] == 5
 
 
 def test_swap_in_and_lookup_count_what_they_found(tmp_path: Path, cache: HostKVCache) -> None:
@@ -153,28 +159,28 @@ def test_stats_describe_the_registration_its_tiers_and_staging(tmp_path: Path, c
 def test_a_delete_waits_for_the_write_in_flight_and_is_not_undone(tmp_path: Path, cache: HostKVCache) -> None:
     with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
-        gate = GatedWrites(d.daemon.backend.disk)
-        assert c.swap_out([0, 1], ["k", "other"]).queued == 2
-        assert gate.started.acquire(timeout=10)
-        sent = c.send(m.Delete, {"keys": ("k",)})
-        assert c.ping() < 5  # the delete waits without holding the loop
-        gate.gate.set()
-        assert c.wait(sent)["deleted"] == 1  # after the write landed, so it is gone for good
-        c.flush()
-        assert c.lookup(["k"]) == 0 and c.lookup(["other"]) == 1
-        assert c.stats()["tiers"]["file"]["records"] == 1
+        with GatedWrites(d.daemon.backend.disk) as gate:  # opened on the way out, even when a check fails
+            assert c.swap_out([0, 1], ["k", "other"]).queued == 2
+            assert gate.started.acquire(timeout=10)
+            sent = c.send(m.Delete, {"keys": ("k",)})
+            assert c.ping() < 5  # the delete waits without holding the loop
+            gate.gate.set()
+            assert c.wait(sent)["deleted"] == 1  # after the write landed, so it is gone for good
+            c.flush()
+            assert c.lookup(["k"]) == 0 and c.lookup(["other"]) == 1
+            assert c.stats()["tiers"]["file"]["records"] == 1
 
 
 def test_clear_waits_for_pending_writes_and_counts_what_it_removed(tmp_path: Path, cache: HostKVCache) -> None:
     with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
-        gate = GatedWrites(d.daemon.backend.disk)
-        assert c.swap_out([0, 1, 2], ["a", "b", "c"]).queued == 3
-        assert gate.started.acquire(timeout=10)
-        sent = c.send(m.Clear, {})
-        gate.gate.set()
-        assert c.wait(sent)["deleted"] == 3
-        assert c.stats()["tiers"]["file"]["records"] == 0 and c.lookup(["a"]) == 0
+        with GatedWrites(d.daemon.backend.disk) as gate:  # opened on the way out, even when a check fails
+            assert c.swap_out([0, 1, 2], ["a", "b", "c"]).queued == 3
+            assert gate.started.acquire(timeout=10)
+            sent = c.send(m.Clear, {})
+            gate.gate.set()
+            assert c.wait(sent)["deleted"] == 3
+            assert c.stats()["tiers"]["file"]["records"] == 0 and c.lookup(["a"]) == 0
 
 
 def test_a_tier_that_fails_a_delete_is_logged_and_the_others_answer(tmp_path: Path, cache: HostKVCache,
@@ -318,9 +324,11 @@ def test_a_record_read_after_its_deadline_is_not_scattered_and_counts_as_an_erro
 
         disk.read_file = held
         cache.zero_blocks([9])
-        with pytest.raises(Timeout):
-            c.swap_in(["slow"], [9], timeout=0.2)
-        release.set()  # the read ends after the deadline: the engine may have reused block 9
+        try:
+            with pytest.raises(Timeout):
+                c.swap_in(["slow"], [9], timeout=0.2)
+        finally:
+            release.set()  # the read ends after the deadline: the engine may have reused block 9
         assert wait_until(lambda: metric(d, "kvswap_blocks_total", op="swap_in", status="error") == 1)
         assert metric(d, "kvswap_blocks_total", op="swap_in", status="loaded") == 0
         assert metric(d, "kvswap_bytes_total", direction="in") == 0
