@@ -333,3 +333,48 @@ def test_a_record_read_after_its_deadline_is_not_scattered_and_counts_as_an_erro
         assert metric(d, "kvswap_blocks_total", op="swap_in", status="loaded") == 0
         assert metric(d, "kvswap_bytes_total", direction="in") == 0
         assert cache.block_record(9) == bytes(cache.layout.record_bytes)
+
+
+class RecordingScatter:
+    """Wraps the registration's mover: records the blocks of each scatter call, and with
+    ``refuse`` answers as a mover does once the deadline passed (the copy abandoned).
+    ``batches`` sets whether the mover wants a whole wave in one call, as the GPU movers do."""
+
+    def __init__(self, mover, batches: bool) -> None:
+        self.real = mover.scatter_blocks
+        self.calls: list[list[int]] = []
+        self.refuse = False
+        self._lock = threading.Lock()
+        mover.scatter_blocks = self
+        mover.batches_scatter = batches
+
+    def __call__(self, block_ids, slots, live) -> bool:
+        with self._lock:
+            self.calls.append(list(block_ids))
+        return False if self.refuse else self.real(block_ids, slots, live)
+
+
+@pytest.mark.parametrize("batches", [False, True])
+def test_a_batching_mover_gets_a_wave_in_one_scatter_and_another_one_record_at_a_time(
+        tmp_path: Path, cache: HostKVCache, batches: bool) -> None:
+    empty = bytes(cache.layout.record_bytes)
+    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        assert c.swap_out([0, 1, 2], ["a", "b", "c"], wait="persisted").stored == 3
+        scatter = RecordingScatter(d.daemon.swapper.registration.mover, batches)
+        cache.zero_blocks([10, 11, 12, 13])
+        result = c.swap_in(["a", "gone", "c", "b"], [10, 11, 12, 13])
+        assert (result.loaded, result.status) == (1, ["loaded", "miss", "loaded", "loaded"])
+        assert [cache.block_record(b) for b in (10, 11, 12, 13)] == [
+            cache.block_record(0), empty, cache.block_record(2), cache.block_record(1)]
+        # Batching: the loaded records of the wave in key order; else each on its read thread.
+        assert (scatter.calls if batches else sorted(scatter.calls)) == ([[10, 12, 13]] if batches else
+                                                                         [[10], [12], [13]])
+        scatter.calls.clear()
+        scatter.refuse = True
+        cache.zero_blocks([10, 12])
+        result = c.swap_in(["a", "c"], [10, 12])
+        assert (result.loaded, result.status) == (0, ["error", "error"])
+        assert cache.block_record(10) == empty and cache.block_record(12) == empty
+        assert metric(d, "kvswap_blocks_total", op="swap_in", status="error") == 2
+        assert len(scatter.calls) == (1 if batches else 2)
