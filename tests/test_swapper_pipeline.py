@@ -378,3 +378,34 @@ def test_a_batching_mover_gets_a_wave_in_one_scatter_and_another_one_record_at_a
         assert cache.block_record(10) == empty and cache.block_record(12) == empty
         assert metric(d, "kvswap_blocks_total", op="swap_in", status="error") == 2
         assert len(scatter.calls) == (1 if batches else 2)
+
+
+def test_a_swap_in_whose_registration_is_released_meanwhile_says_so_and_writes_nothing(
+        tmp_path: Path, cache: HostKVCache) -> None:
+    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        assert c.swap_out([0], ["a"], wait="persisted").stored == 1
+        registration = d.daemon.swapper.registration
+        disk = d.daemon.backend.disk
+        real_read = disk.read_file
+        reading, go = threading.Event(), threading.Event()
+
+        def held(path, parts):
+            reading.set()
+            assert go.wait(10)
+            return real_read(path, parts)
+
+        disk.read_file = held
+        cache.zero_blocks([9])
+        try:
+            swap = c.send(m.SwapIn, {"keys": ("a",), "block_ids": (9,)})
+            assert reading.wait(10)
+            release = c.send(m.Unregister, {})
+            assert wait_until(lambda: registration.closing)  # it waits for the swap_in's lease
+        finally:
+            go.set()
+        with pytest.raises(NotRegistered) as err:
+            c.wait(swap)
+        assert err.value.message == "the registration was released while this swap_in copied its blocks"
+        assert c.wait(release)["released"] is True
+        assert cache.block_record(9) == bytes(cache.layout.record_bytes)
