@@ -103,8 +103,11 @@ def test_release_waits_for_the_copy_holding_the_registration(tmp_path: Path, rel
             await releasing
             assert mover.closed and not mover.closed_while_copying
             assert swapper.registrar.current is None
-            with pytest.raises(NotRegistered):  # the copy saw the release and stopped
+            with pytest.raises(NotRegistered) as err:  # the copy saw the release and stopped
                 await swap
+            assert err.value.message == "the registration was released while this swap_out copied its blocks"
+            assert err.value.details == {"copied": 0, "blocks": 2}
+            assert swapper.pending_writes == 0  # nothing it copied stays in flight
             with pytest.raises(NotRegistered):
                 await swapper.swap_in(["a"], [3], Deadline(5), caller=Caller(registration.token))
         finally:

@@ -60,17 +60,21 @@ def test_swap_out_answers_every_key_and_counts_blocks_and_bytes(tmp_path: Path, 
             assert (out.queued, out.stored, out.exists, out.skipped, out.failed) == (2, 0, 0, 0, 0)
             assert gate.started.acquire(timeout=10)
             assert metric(d, "kvswap_pending_writes") == 2 and c.stats()["write_tasks"] == 1
+            # In flight, named twice, or new: each key is looked at, none is written twice.
+            out = c.swap_out([3, 5, 5, 6], ["d", "f", "f", "g"])
+            assert out.status == ["exists", "queued", "exists", "queued"]
+            assert metric(d, "kvswap_pending_writes") == 4 and c.stats()["write_tasks"] == 2
             flushing = c.send(m.Flush, {})
             gate.gate.set()
-            assert c.wait(flushing)["flushed"] == 1 and c.flush() == 0  # one request's writes, then none
-            assert {s: metric(d, "kvswap_blocks_total", op="swap_out", status=s)
-                    for s in ("stored", "exists", "queued")} == {"stored": 3, "exists": 2, "queued": 2}
-            assert metric(d, "kvswap_bytes_total", direction="out") == 5 * record
-            assert metric(d, "kvswap_pending_writes") == 0
-            assert metric(d, "kvswap_write_failures_total", code="io_error") == 0
-            stats = c.stats()
-            assert (stats["registered"], stats["pending_writes"], stats["write_tasks"]) == (True, 0, 0)
-            assert stats["tiers"]["file"]["records"] == 5
+            assert c.wait(flushing)["flushed"] == 2 and c.flush() == 0  # two requests' writes, then none
+        assert {s: metric(d, "kvswap_blocks_total", op="swap_out", status=s)
+                for s in ("stored", "exists", "queued")} == {"stored": 3, "exists": 4, "queued": 4}
+        assert metric(d, "kvswap_bytes_total", direction="out") == 7 * record
+        assert metric(d, "kvswap_pending_writes") == 0
+        assert metric(d, "kvswap_write_failures_total", code="io_error") == 0
+        stats = c.stats()
+        assert (stats["registered"], stats["pending_writes"], stats["write_tasks"]) == (True, 0, 0)
+        assert stats["tiers"]["file"]["records"] == 7
 
 
 def test_swap_in_and_lookup_count_what_they_found(tmp_path: Path, cache: HostKVCache) -> None:
