@@ -20,7 +20,7 @@ from kvswap.daemon.registration import Registration
 from kvswap.daemon.swapper import Deadline, Swapper
 from kvswap.daemon.tiers import open_backends
 from kvswap.protocol import CacheLayout
-from kvswap.protocol.errors import NotRegistered
+from kvswap.protocol.errors import NotRegistered, Timeout
 
 
 class GatedMover:
@@ -110,6 +110,33 @@ def test_release_waits_for_the_copy_holding_the_registration(tmp_path: Path, rel
             assert swapper.pending_writes == 0  # nothing it copied stays in flight
             with pytest.raises(NotRegistered):
                 await swapper.swap_in(["a"], [3], Deadline(5), caller=Caller(registration.token))
+        finally:
+            await swapper.stop()
+
+    asyncio.run(main())
+
+
+def test_a_deadline_that_passes_while_blocks_are_copied_is_a_timeout_that_says_how_far(tmp_path: Path) -> None:
+    async def main() -> None:
+        config = Config(storage_dir=str(tmp_path / "store"), cache_queue_port=0, metrics_port=0)
+        swapper = Swapper(config, open_backends(config), config.locations(), Metrics())
+        swapper.start()
+        try:
+            mover = GatedMover()
+            registration = await _install(swapper, mover)
+            deadline = Deadline(10)
+            swap = asyncio.ensure_future(swapper.swap_out([0, 1], ["a", "b"], "persisted", deadline,
+                                                          caller=Caller(registration.token, os.getpid())))
+            while not mover.entered.is_set():
+                await asyncio.sleep(0.001)
+            deadline.expire()  # what the server does when a request's deadline passes
+            mover.go.set()
+            with pytest.raises(Timeout) as err:
+                await swap
+            assert err.value.message == "deadline passed while copying blocks"
+            assert err.value.details == {"copied": 0, "blocks": 2}
+            assert swapper.pending_writes == 0
+            assert swapper.registrar.current is registration and not registration.closing  # nothing released
         finally:
             await swapper.stop()
 
