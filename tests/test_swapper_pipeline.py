@@ -18,7 +18,7 @@ from kvswap.backends.file_store import FileBackend
 from kvswap.protocol import Client, HostKVCache, InvalidLayout, NotRegistered, Timeout
 from kvswap.protocol import messages as m
 
-from support import InProcessDaemon, wait_until
+from support import INSTALLED_BY_TEST_SETUP, InProcessDaemon, wait_until
 
 
 def metric(d: InProcessDaemon, name: str, **labels: str) -> float:
@@ -142,6 +142,8 @@ def test_stats_describe_the_registration_its_tiers_and_staging(tmp_path: Path, c
     host_bytes = 1 << 20
     with InProcessDaemon(tmp_path / "s", host_tier_bytes=host_bytes) as d, Client(d.endpoint, timeout=10) as c:
         assert c.stats()["registered"] is False and "registration" not in c.stats()
+        assert {t: metric(d, "kvswap_stored_records", tier=t) for t in ("host", "file")} == {"host": 0, "file": 0}
+        assert metric(d, "kvswap_stored_bytes", tier="file") == 0
         c.register(cache)
         assert c.swap_out([0, 1], ["a", "b"], wait="persisted").stored == 2
         stats = c.stats()
@@ -413,3 +415,13 @@ def test_a_swap_in_whose_registration_is_released_meanwhile_says_so_and_writes_n
         assert err.value.message == "the registration was released while this swap_in copied its blocks"
         assert c.wait(release)["released"] is True
         assert cache.block_record(9) == bytes(cache.layout.record_bytes)
+
+
+def test_stats_name_a_remote_tiers_url(tmp_path: Path, cache: HostKVCache) -> None:
+    pytest.importorskip("redis", reason=f"the redis client is not installed ({INSTALLED_BY_TEST_SETUP})")
+    url = "redis://127.0.0.1:1/0"  # nothing listens there: the tier is configured, not reachable
+    with InProcessDaemon(tmp_path / "s", remote_url=url) as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        tiers = c.stats()["tiers"]
+        assert tiers["remote"]["url"] == url
+        assert "url" not in tiers["file"]
