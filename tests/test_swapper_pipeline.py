@@ -425,3 +425,49 @@ def test_stats_name_a_remote_tiers_url(tmp_path: Path, cache: HostKVCache) -> No
         tiers = c.stats()["tiers"]
         assert tiers["remote"]["url"] == url
         assert "url" not in tiers["file"]
+
+
+def test_each_record_of_a_swap_out_is_written_once_across_its_gather_chunks(tmp_path: Path,
+                                                                            cache: HostKVCache) -> None:
+    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        disk = d.daemon.backend.disk
+        real_write = disk.write_file
+        written: list[str] = []
+        lock = threading.Lock()
+
+        def counting(tmp, final, *args, **kwargs):
+            with lock:
+                written.append(final)
+            return real_write(tmp, final, *args, **kwargs)
+
+        disk.write_file = counting
+        keys = [f"k{i}" for i in range(9)]  # three gather chunks: 4, 4 and 1 blocks
+        assert c.swap_out(list(range(9)), keys, wait="persisted").status == ["stored"] * 9
+        assert len(written) == 9 and len(set(written)) == 9
+        failures = sum(s.value for metric_family in d.daemon.metrics.registry.collect()
+                       if metric_family.name == "kvswap_write_failures" for s in metric_family.samples
+                       if s.name == "kvswap_write_failures_total")
+        assert failures == 0  # a stored record is not a failure
+
+
+def test_a_bug_in_the_write_path_answers_internal_and_frees_every_slot(tmp_path: Path, cache: HostKVCache,
+                                                                       caplog: pytest.LogCaptureFixture,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvswap.daemon import swapper as swapper_module
+
+    def broken(tiers, items):
+        raise RuntimeError("a bug")
+
+    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        slots = c.stats()["write_staging"]["slots"]
+        monkeypatch.setattr(swapper_module, "_write_chunk", broken)
+        with caplog.at_level("ERROR"):
+            out = c.swap_out(list(range(6)), [f"k{i}" for i in range(6)], wait="persisted")
+        assert out.status == ["internal"] * 6 and out.failed == 6
+        lines = sorted(r.getMessage() for r in caplog.records if r.getMessage().startswith("writes of"))
+        assert lines == ["writes of 2 records failed", "writes of 4 records failed"]  # one per gather chunk
+        assert metric(d, "kvswap_write_failures_total", code="internal") == 6
+        stats = c.stats()
+        assert (stats["pending_writes"], stats["write_staging"]["free"]) == (0, slots)
