@@ -141,3 +141,11 @@ def test_a_deadline_that_passes_while_blocks_are_copied_is_a_timeout_that_says_h
             await swapper.stop()
 
     asyncio.run(main())
+
+
+def test_a_swapper_that_never_started_stops_cleanly(tmp_path: Path) -> None:
+    """A daemon that fails during start-up still stops its swapper (its pools never existed)."""
+    config = Config(storage_dir=str(tmp_path / "store"), cache_queue_port=0, metrics_port=0)
+    swapper = Swapper(config, open_backends(config), config.locations(), Metrics())
+    asyncio.run(swapper.stop())
+    assert (swapper.registration, swapper.pending_writes, swapper.stats()["write_tasks"]) == (None, 0, 0)

@@ -15,6 +15,7 @@ import pytest
 
 from kvswap.backends import record
 from kvswap.backends.file_store import FileBackend
+from kvswap.daemon.swapper import Deadline
 from kvswap.protocol import Client, HostKVCache, InvalidLayout, NotRegistered, Timeout
 from kvswap.protocol import messages as m
 
@@ -471,3 +472,73 @@ def test_a_bug_in_the_write_path_answers_internal_and_frees_every_slot(tmp_path:
         assert metric(d, "kvswap_write_failures_total", code="internal") == 6
         stats = c.stats()
         assert (stats["pending_writes"], stats["write_staging"]["free"]) == (0, slots)
+
+
+def test_a_deadline_counts_down_to_zero_and_an_expired_one_is_dead_at_once() -> None:
+    assert Deadline(0.0).remaining() == 0.0 and not Deadline(0.0).live()
+    deadline = Deadline(60)
+    assert 59 < deadline.remaining() <= 60 and deadline.live()
+    deadline.expire()  # the server gave up on the request: copies stop though time is left
+    assert not deadline.live() and deadline.remaining() > 59
+
+
+def test_a_write_that_raises_a_bug_is_internal_for_its_record_alone(tmp_path: Path, cache: HostKVCache,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        assert c.swap_out([0], ["head"], wait="persisted").stored == 1
+        tiers = d.daemon.swapper.registration.tiers
+        real_write = tiers.write
+
+        def buggy(key, payload):
+            if key == "bad":
+                raise RuntimeError("a bug")
+            return real_write(key, payload)
+
+        tiers.write = buggy
+        with caplog.at_level("ERROR"):
+            out = c.swap_out([1, 2], ["bad", "good"], wait="persisted")
+        assert out.status == ["internal", "stored"] and out.failed == 1
+        assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("write of")] == [
+            "write of bad failed"]
+
+
+def test_copies_reads_and_writes_run_on_their_own_named_threads(tmp_path: Path, cache: HostKVCache) -> None:
+    threads: dict[str, set[str]] = {"write": set(), "read": set(), "copy": set()}
+    with InProcessDaemon(tmp_path / "s", write_threads=2, read_threads=3) as d, \
+            Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        disk = d.daemon.backend.disk
+        real_read = disk.read_file
+        mover = d.daemon.swapper.registration.mover
+        real_gather = mover.gather_blocks
+
+        def gather(*args, **kwargs):
+            threads["copy"].add(threading.current_thread().name)
+            return real_gather(*args, **kwargs)
+
+        def read(*args, **kwargs):
+            threads["read"].add(threading.current_thread().name)
+            return real_read(*args, **kwargs)
+
+        mover.gather_blocks = gather
+        disk.read_file = read
+        with GatedWrites(disk) as gate:
+            real_write = gate.original
+
+            def write(*args, **kwargs):
+                threads["write"].add(threading.current_thread().name)
+                return real_write(*args, **kwargs)
+
+            gate.original = write
+            # Three gather chunks, each written on a write thread while the others are held:
+            # only two threads may hold writes.
+            assert c.swap_out(list(range(12)), [f"k{i}" for i in range(12)]).queued == 12
+            assert gate.started.acquire(timeout=10) and gate.started.acquire(timeout=10)
+            gate.gate.set()
+            assert c.flush() == 1
+        cache.zero_blocks(list(range(20, 32)))
+        assert c.swap_in([f"k{i}" for i in range(12)], list(range(20, 32))).loaded == 12
+    assert threads["write"] == {"kvswap-write_0", "kvswap-write_1"}
+    assert threads["copy"] == {"kvswap-copy_0"}
+    assert threads["read"] <= {"kvswap-read_0", "kvswap-read_1", "kvswap-read_2"} and threads["read"]
