@@ -18,6 +18,7 @@ from kvswap.backends.file_store import FileBackend
 from kvswap.daemon.swapper import Deadline
 from kvswap.protocol import Client, HostKVCache, InvalidLayout, NotRegistered, Timeout
 from kvswap.protocol import messages as m
+from kvswap.protocol.errors import IOFailure
 
 from support import INSTALLED_BY_TEST_SETUP, InProcessDaemon, wait_until
 
@@ -542,3 +543,22 @@ def test_copies_reads_and_writes_run_on_their_own_named_threads(tmp_path: Path, 
     assert threads["write"] == {"kvswap-write_0", "kvswap-write_1"}
     assert threads["copy"] == {"kvswap-copy_0"}
     assert threads["read"] <= {"kvswap-read_0", "kvswap-read_1", "kvswap-read_2"} and threads["read"]
+
+
+def test_the_failure_line_names_the_four_commonest_kinds_only(tmp_path: Path, cache: HostKVCache,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        tiers = d.daemon.swapper.registration.tiers
+
+        def refusing(key, payload):  # a tier that says no, a different reason for each record
+            raise IOFailure("not stored", tier="file", reason=f"reason {key}")
+
+        tiers.write = refusing
+        keys = ["r1", "r2", "r2b", "r3", "r4", "r5"]
+        with caplog.at_level("WARNING"):
+            out = c.swap_out(list(range(6)), keys, wait="persisted")
+        assert out.status == ["io_error"] * 6
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("swap_out:")]
+        assert lines == ["swap_out: 6 of 6 records not stored: tier file: io_error x1 (reason r1); tier file: io_error"
+                         " x1 (reason r2); tier file: io_error x1 (reason r2b); tier file: io_error x1 (reason r3)"]
