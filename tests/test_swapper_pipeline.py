@@ -562,3 +562,20 @@ def test_the_failure_line_names_the_four_commonest_kinds_only(tmp_path: Path, ca
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("swap_out:")]
         assert lines == ["swap_out: 6 of 6 records not stored: tier file: io_error x1 (reason r1); tier file: io_error"
                          " x1 (reason r2); tier file: io_error x1 (reason r2b); tier file: io_error x1 (reason r3)"]
+
+
+def test_upkeep_evicts_what_other_writers_stored_past_the_cap(tmp_path: Path, cache: HostKVCache) -> None:
+    root = tmp_path / "s"
+    record_bytes = cache.layout.record_bytes
+    per_file = record.header_len_for(record_bytes) + record_bytes
+    with InProcessDaemon(root, storage_max_bytes=10 * per_file, storage_rescan_interval_s=0.05,
+                         maintenance_interval_s=0.05) as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        assert wait_until(lambda: c.stats()["tiers"]["file"]["leader"])
+        # Another daemon sharing the directory, not the evicting one: it writes past the cap.
+        neighbour = FileBackend(str(root)).open_store(cache.layout.fingerprint(), cache.layout.to_wire(), record_bytes)
+        for i in range(12):
+            neighbour.put(f"n{i}", memoryview(cache.block_record(i)))
+        # The daemon's background pass rescans, sees 12 records, and evicts down to the low watermark.
+        assert wait_until(lambda: c.stats()["tiers"]["file"].get("evicted_capacity", 0) >= 4, 10)
+        assert c.stats()["tiers"]["file"]["records"] <= 8
