@@ -147,6 +147,9 @@ def main() -> None:
     parser.add_argument("--storage-dir", default=".")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=FLAGS")
     parser.add_argument("--py-spy", dest="spy_dir", default=None, metavar="DIR")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the variants this many times, interleaved (a shared machine's load drifts); "
+                             "each round is printed, then the median p99 per variant")
     args = parser.parse_args()
     if args.spy_dir:
         if shutil.which("py-spy") is None:
@@ -157,8 +160,9 @@ def main() -> None:
         print(f"warning: {args.samples} samples are too few for a p99 (the p99 is one of the worst few)")
     results = []
     with tempfile.TemporaryDirectory(prefix="kvswap-loop-", dir=args.storage_dir) as d:
-        for name, spec in variants:
-            results.append(run_variant(name, spec, args.preset, args.blocks, args.samples, d, args.spy_dir))
+        for _ in range(args.rounds):
+            for name, spec in variants:
+                results.append(run_variant(name, spec, args.preset, args.blocks, args.samples, d, args.spy_dir))
     print(f"preset {args.preset}, {os.cpu_count()} CPUs; ms; idle = same daemon before the stream")
     print(f"{'variant':14}{'ping p50':>10}{'p99':>8}{'idle p99':>10}{'lookup p50':>12}{'p99':>8}"
           f"{'idle p99':>10}{'stream GB/s':>13}{'n':>6}")
@@ -167,6 +171,14 @@ def main() -> None:
         lp, ll = quantiles(r["loaded"][0]), quantiles(r["loaded"][1])
         print(f"{r['name']:14}{lp[0]:10.2f}{lp[1]:8.2f}{ip[1]:10.2f}{ll[0]:12.2f}{ll[1]:8.2f}{il[1]:10.2f}"
               f"{r['stream_gbps']:13.2f}{lp[2]:6d}")
+    if args.rounds > 1:
+        print("median over rounds (ms): variant, ping p99, idle ping p99, lookup p99, idle lookup p99, stream GB/s")
+        for name, _ in variants:
+            mine = [r for r in results if r["name"] == name]
+            med = [statistics.median(quantiles(r[phase][which])[1] for r in mine)
+                   for phase, which in (("loaded", 0), ("idle", 0), ("loaded", 1), ("idle", 1))]
+            print(f"  {name:14}" + "".join(f"{v:8.2f}" for v in med)
+                  + f"{statistics.median(r['stream_gbps'] for r in mine):8.2f}")
     for r in results:
         if r["spy"] and os.path.exists(r["spy"]):
             print(f"py-spy, {r['name']} (self time by frame, all threads):")
