@@ -74,6 +74,10 @@ class Config:
     write_threads: int = 4
     #: Threads reading records; reads have their own pool so writes never starve them.
     read_threads: int = 4
+    #: How much lower than the event loop the copy, I/O and upkeep threads are scheduled (a
+    #: nice value, 0..19; 0: same priority). Measured in data_threads.py: with 10, ping p99
+    #: under a swap_out stream fell from 10.7 to 4.6 ms on 2 cores.
+    data_thread_nice: int = 10
     #: Staging memory for swap_out: copied blocks wait here for their write. When it is full
     #: swap_out answers busy.
     write_staging_bytes: int = 256 * MiB
@@ -105,6 +109,8 @@ class Config:
         for name in ("write_threads", "read_threads", "max_inflight_requests", "max_inflight_per_client"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if not 0 <= self.data_thread_nice <= 19:
+            raise ValueError(f"data_thread_nice must be in 0..19, got {self.data_thread_nice}")
         for name in ("write_staging_bytes", "read_staging_bytes"):
             if getattr(self, name) < 4096:
                 raise ValueError(f"{name} must be at least 4096")

@@ -32,6 +32,7 @@ from kvswap.backends.base import Backend, GetStatus, Store
 from kvswap.protocol.errors import KvswapError, NotRegistered, Timeout
 
 from .config import Config
+from .data_threads import data_pool
 from .metrics import Metrics
 from .registrar import Registrar
 from .registration import Lease, Registration
@@ -85,7 +86,8 @@ class Swapper:
         self.metrics = metrics
         self.staging = Staging(config.write_staging_bytes, config.read_staging_bytes, backends.values(), metrics)
         self.registrar = Registrar(backends, locations, self.staging, metrics)
-        self.upkeep = Upkeep(backends.values(), self.registrar, config.remote_check_interval_s)
+        self.upkeep = Upkeep(backends.values(), self.registrar, config.remote_check_interval_s,
+                             config.data_thread_nice)
         self.registrar.on_open_store = self.upkeep.start_scan
         self._inflight: dict[str, InflightWrite] = {}
         self._write_tasks: set[asyncio.Task] = set()
@@ -96,10 +98,11 @@ class Swapper:
     # -- lifetime -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._write_pool = ThreadPoolExecutor(self.config.write_threads, thread_name_prefix="kvswap-write")
-        self._read_pool = ThreadPoolExecutor(self.config.read_threads, thread_name_prefix="kvswap-read")
+        nice = self.config.data_thread_nice  # below the loop's priority: see data_threads.py
+        self._write_pool = data_pool(self.config.write_threads, "kvswap-write", nice)
+        self._read_pool = data_pool(self.config.read_threads, "kvswap-read", nice)
         # Gathers and scatters are memory copies; one thread keeps them ordered and off the loop.
-        self._copy_pool = ThreadPoolExecutor(1, thread_name_prefix="kvswap-copy")
+        self._copy_pool = data_pool(1, "kvswap-copy", nice)
         self.registrar.start()
         self.upkeep.start()
         self.metrics.watch_stores(lambda: list(self.registrar.open_stores()))
