@@ -18,6 +18,22 @@ from kvswap.backends.file_store import DIRECT_IO_MODES, FSYNC_MODES
 MiB = 1024 * 1024
 
 
+#: The default RAM tier takes this share of physical memory, up to DEFAULT_HOST_TIER_MAX.
+DEFAULT_HOST_TIER_SHARE = 8
+DEFAULT_HOST_TIER_MAX = 4 * 1024 * MiB
+
+
+def default_host_tier_bytes() -> int:
+    """1/8 of physical memory, at most 4 GiB: room for the records an engine is likely to ask
+    for again soon, leaving the machine's memory to the engine. The pool reserves it at
+    registration but faults it in only as records fill it, so an idle daemon costs nothing."""
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 1024 * MiB
+    return min(DEFAULT_HOST_TIER_MAX, physical // DEFAULT_HOST_TIER_SHARE // MiB * MiB)
+
+
 def default_storage_dir() -> str:
     """FastDeploy's variable names the directory where it is set, so a daemon started beside
     FastDeploy lands on the same store."""
@@ -56,8 +72,9 @@ class Config:
     storage_rescan_interval_s: float = 0.0
     #: How often background eviction checks the watermarks.
     maintenance_interval_s: float = 1.0
-    #: Bytes of RAM for the host tier (0: no host tier).
-    host_tier_bytes: int = 0
+    #: Bytes of RAM for the host tier (0: no host tier). On by default: 1/8 of the machine's
+    #: memory, at most 4 GiB (see default_host_tier_bytes).
+    host_tier_bytes: int = field(default_factory=lambda: default_host_tier_bytes())
     #: The remote tier: ``redis://HOST:PORT/DB``, ``redis+cluster://HOST:PORT`` or
     #: ``mooncake://MASTER:PORT?metadata=...&protocol=tcp|rdma`` ("" : no remote tier).
     remote_url: str = ""

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 from kvswap.backends.base import Backend, GetStatus, Store
+from kvswap.backends.host_pool import HostPoolBackend, HostPoolStore
 from kvswap.protocol.errors import KvswapError, NotRegistered, Timeout
 
 from .config import Config
@@ -84,7 +85,9 @@ class Swapper:
         self.backends = backends
         self.locations = locations
         self.metrics = metrics
-        self.staging = Staging(config.write_staging_bytes, config.read_staging_bytes, backends.values(), metrics)
+        ram = backends.get("host")
+        self.staging = Staging(config.write_staging_bytes, config.read_staging_bytes, backends.values(), metrics,
+                               ram if isinstance(ram, HostPoolBackend) else None, config.data_thread_nice)
         self.registrar = Registrar(backends, locations, self.staging, metrics)
         self.upkeep = Upkeep(backends.values(), self.registrar, config.remote_check_interval_s,
                              config.data_thread_nice)
@@ -117,6 +120,7 @@ class Swapper:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=False)
         self.upkeep.stop()
+        self.staging.close()
         self.registrar.close_stores()
         for backend in self.backends.values():
             backend.close()
@@ -268,6 +272,7 @@ class Swapper:
         # The host mover scatters each record on its read thread as soon as it is read (reads
         # and copies overlap); GPU movers want the wave in one call (one upload, one kernel).
         per_record = not registration.mover.batches_scatter
+        ram = _ram_first(tiers)
 
         async def load(indices: list[int]) -> None:
             slots: list[Slot] = []
@@ -276,10 +281,18 @@ class Swapper:
                 # from the tiers into read slots, in parallel.
                 sources: dict[int, Slot] = {}
                 to_read = []
+                ram_hits = 0
                 for i in indices:
                     entry = self._inflight.get(keys[i])
                     if entry is None:
-                        to_read.append(i)
+                        # A RAM hit is scattered straight from its pool slot: one copy.
+                        held = ram.hold(keys[i]) if ram is not None else None
+                        if held is None:
+                            to_read.append(i)
+                        else:
+                            slots.append(held)
+                            sources[i] = held
+                            ram_hits += 1
                         continue
                     slots.append(entry.slot.retain())
                     try:
@@ -297,6 +310,8 @@ class Swapper:
                     status[i] = result
                     if result == "loaded" and not per_record:
                         sources[i] = slot
+                if ram_hits:
+                    self._count_ram_hits(ram_hits, registration.record_bytes)
                 order = sorted(sources)
                 ok = await self._run(self._copy_pool, _scatter_many, registration, [block_ids[i] for i in order],
                                      [sources[i].view for i in order], deadline)
@@ -316,6 +331,11 @@ class Swapper:
             self.metrics.blocks.labels(op="swap_in", status=s).inc()
         self.metrics.bytes.labels(direction="in").inc(status.count("loaded") * registration.record_bytes)
         return {"loaded": loaded, "status": status}
+
+    def _count_ram_hits(self, hits: int, record_bytes: int) -> None:
+        """RAM hits served from their slots skip the tiers' read path; count them as it would."""
+        self.metrics.tier_ops.labels(tier="host", op="get", result="hit").inc(hits)
+        self.metrics.tier_bytes.labels(tier="host", direction="read").inc(hits * record_bytes)
 
     # -- lookup, delete, clear, flush ---------------------------------------------------------------
 
@@ -451,6 +471,13 @@ def _write_chunk(tiers: NamespaceTiers, items: list[tuple[str, memoryview]]) -> 
             log.exception("write of %s failed", key)
             outcomes.append("internal")
     return outcomes
+
+
+def _ram_first(tiers: NamespaceTiers) -> HostPoolStore | None:
+    """The RAM tier's store when it is the first place swap_in looks (then a hit there may be
+    scattered straight from its slot without changing which copy is served)."""
+    first = tiers.retrieve_from[0] if tiers.retrieve_from else None
+    return first if isinstance(first, HostPoolStore) else None
 
 
 def _scatter_many(registration: Registration, block_ids: list[int], slots: list[Any], deadline: Deadline) -> bool:

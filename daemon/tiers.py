@@ -205,9 +205,10 @@ def open_backends(config: Any) -> dict[str, Backend]:
 
     backends: dict[str, Backend] = {}
     if config.host_tier_bytes:
-        from kvswap.backends.host_tier import HostBackend
+        from kvswap.backends.host_pool import HostPoolBackend
 
-        backends["host"] = HostBackend(config.host_tier_bytes)
+        # The RAM tier lives in the daemon's host pool, beside staging (one copy on a hit).
+        backends["host"] = HostPoolBackend(config.host_tier_bytes)
     backends["file"] = FileBackend(
         config.storage_dir, fsync=config.fsync, direct_io=config.direct_io,
         capacity=Capacity(config.storage_max_bytes, config.storage_min_free_bytes),

@@ -14,6 +14,8 @@ EXPECTED = {
     "swap_out copied": "memcpy",
     "swap_out copied, until written": "write",
     "swap_out persisted": "write",
+    "swap_out persisted, RAM tier's first fill": "write",
+    "swap_out copied, one request of 16, idle": "memcpy",
     "swap_in cold": "O_DIRECT read x4",
     "swap_in warm (page cache)": "buffered warm read x4",
     "host layout conversion": "memcpy into slots",

@@ -39,8 +39,9 @@ def test_json_reports_registration_tiers_staging_and_work(daemon: DaemonProcess,
     assert report["staging"]["write"]["slots"] >= report["staging"]["write"]["free"] >= 0
     assert report["pending_writes"] == 0 and report["requests_in_flight"] == 1  # the stats call itself
     rates = report["rates"]
-    assert rates["source"] == "stats" and rates["deltas"] == {"stored_records": {"file": 0.0},
-                                                              "stored_bytes": {"file": 0.0}}
+    # The RAM tier is on by default: it is reported beside the file tier.
+    assert rates["source"] == "stats" and rates["deltas"] == {"stored_records": {"file": 0.0, "host": 0.0},
+                                                              "stored_bytes": {"file": 0.0, "host": 0.0}}
 
 
 def test_table_is_readable_and_says_what_is_missing(daemon: DaemonProcess, client: Client,
@@ -80,7 +81,7 @@ def test_rates_count_exactly_the_work_between_the_samples(daemon: DaemonProcess,
         report = collect(operator, 1.0, daemon.metrics_url + "/metrics", pause=work)
     deltas = report["rates"]["deltas"]
     assert report["rates"]["source"] == "stats+metrics"
-    assert deltas["stored_records"] == {"file": 4.0}
+    assert deltas["stored_records"] == {"file": 4.0, "host": 4.0}  # the RAM tier is on by default
     assert deltas["bytes"] == {"out": 4.0 * record_bytes, "in": 2.0 * record_bytes}
     assert deltas["swap_out_blocks"] == {"stored": 4.0} and deltas["swap_in_blocks"] == {"loaded": 2.0}
     assert deltas["requests"]["swap_out"] == 1 and deltas["requests"]["swap_in"] == 1
