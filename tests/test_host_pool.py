@@ -184,3 +184,26 @@ def test_daemon_serves_a_ram_hit_from_the_pool_without_the_file(tmp_path: Path, 
                 cache.fill_random(seed=1)
         finally:
             assert daemon.stop() == 0, daemon.log()
+
+
+def test_a_ram_hit_is_scattered_from_its_slot_not_copied_through_the_store(tmp_path: Path, cache: HostKVCache,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-copy path: swap_in takes RAM hits straight from their slots. The store's
+    copying read (get_into) is made to fail, so a hit that went through it would error."""
+    from kvswap.backends.host_pool import HostPoolStore
+    from support import InProcessDaemon
+
+    with InProcessDaemon(tmp_path / "s", host_tier_bytes=1 << 20) as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        expected = [cache.block_record(i) for i in range(3)]
+        assert c.swap_out([0, 1, 2], ["h0", "h1", "h2"], wait="persisted").stored == 3
+
+        def no_copy(self, key, out):
+            raise AssertionError("a RAM hit was copied through the store")
+
+        monkeypatch.setattr(HostPoolStore, "get_into", no_copy)
+        cache.zero_blocks([5, 6, 7])
+        assert c.swap_in(["h0", "h1", "h2"], [5, 6, 7]).loaded == 3
+        assert [cache.block_record(i) for i in (5, 6, 7)] == expected
+        pool = d.daemon.swapper.staging.pool
+        assert pool.problems() == [] and pool.records[c.stats()["registration"]["namespace"]] == 3
