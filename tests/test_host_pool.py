@@ -207,3 +207,30 @@ def test_a_ram_hit_is_scattered_from_its_slot_not_copied_through_the_store(tmp_p
         assert [cache.block_record(i) for i in (5, 6, 7)] == expected
         pool = d.daemon.swapper.staging.pool
         assert pool.problems() == [] and pool.records[c.stats()["registration"]["namespace"]] == 3
+
+
+def test_lookup_prefix_joins_the_tiers_runs(tmp_path: Path) -> None:
+    """NamespaceTiers.cached_prefix asks each tier for a run of keys at once; a key counts
+    when any tier (or an in-flight write) has it, and the prefix stops at the first gap."""
+    from kvswap.backends.file_store import FileBackend
+    from kvswap.daemon.metrics import Metrics
+    from kvswap.daemon.tiers import Locations, NamespaceTiers
+
+    ram = HostPoolBackend(8 * 4096)
+    pool = HostPool(4096, staging_slots=2, cache_slots=ram.cache_slots(4096))
+    pool.grow(8)  # the daemon's staging grows the pool as it fills; here, by hand
+    ram.attach(pool)
+    host = ram.open_store(NS, {}, 4096)
+    file = FileBackend(str(tmp_path / "files")).open_store(NS, {"t": 1}, 4096)
+    payload = memoryview(bytes(4096))
+    for key in ("a", "c", "e"):
+        host.put(key, payload)
+    for key in ("b", "c"):
+        file.put(key, payload)
+    tiers = NamespaceTiers({"host": host, "file": file}, Locations(("host", "file"), ("host", "file"), True),
+                           Metrics())
+    keys = ["a", "b", "c", "d", "e"]
+    assert tiers.cached_prefix(keys, {}) == 3
+    assert tiers.cached_prefix(keys, {"d": None}) == 5
+    assert tiers.cached_prefix(["d", "a"], {}) == 0
+    assert tiers.cached_prefix([], {}) == 0
