@@ -10,7 +10,7 @@ import click
 
 from kvswap import __version__
 
-from .config import Config, default_storage_dir
+from .config import Config, default_host_tier_bytes, default_storage_dir
 from .config_file import load_config_option, print_config
 from .logs import LOG_FORMATS, configure_logging
 
@@ -34,6 +34,15 @@ class ByteSize(click.ParamType):
 
 
 BYTES = ByteSize()
+
+
+class HostTierSize(ByteSize):
+    """A size, or ``auto``: the machine's default RAM tier (see ``default_host_tier_bytes``)."""
+
+    def convert(self, value, param, ctx):  # type: ignore[override]
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return default_host_tier_bytes()
+        return super().convert(value, param, ctx)
 _DEFAULTS = Config(storage_dir="")
 
 
@@ -66,8 +75,9 @@ def setup_logging(level: str, fmt: str = "text") -> None:
               help="How often the evicting daemon re-lists a shared directory (0 = only at start-up).")
 @click.option("--maintenance-interval-s", type=click.FloatRange(0.01), default=_DEFAULTS.maintenance_interval_s,
               help="How often background eviction checks the watermarks.")
-@click.option("--host-tier-bytes", type=BYTES, default=_DEFAULTS.host_tier_bytes,
-              help="RAM for the host tier, least recently used out (0 = no host tier).")
+@click.option("--host-tier-bytes", type=HostTierSize(), default="auto",
+              help="RAM for the host tier, least recently used out; auto = 1/8 of physical memory, at most "
+                   "4 GiB (0 = no host tier).")
 @click.option("--remote-url", default=_DEFAULTS.remote_url, show_default=False,
               help="Remote tier: redis://HOST:PORT/DB, redis+cluster://HOST:PORT or "
                    "mooncake://MASTER:PORT?metadata=URL&protocol=tcp|rdma (empty = none).")

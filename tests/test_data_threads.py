@@ -39,8 +39,9 @@ def test_daemon_data_threads_run_below_the_loop(tmp_path: Path, cache: HostKVCac
             nices = thread_nices(daemon.proc.pid)
             assert nices[daemon.proc.pid] == 0  # the main thread runs the loop
             lowered = [tid for tid, n in nices.items() if n == nice and tid != daemon.proc.pid]
-            # copy + at least one write and one read thread + the upkeep thread
-            assert (len(lowered) >= 4) if nice else all(n == 0 for n in nices.values()), nices
+            # the copy thread and at least one write and one read thread have run by now (the
+            # upkeep thread only after its first interval)
+            assert (len(lowered) >= 3) if nice else all(n == 0 for n in nices.values()), nices
     finally:
         assert daemon.stop() == 0, daemon.log()
 
