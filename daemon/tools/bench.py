@@ -498,8 +498,7 @@ def _fill_ram_tier(c: Client, stats: dict[str, Any], batches: list[list[int]], r
     RAM-tier share in as records first fill it (once per daemon lifetime), so the measured
     phases after this see the daemon in its steady state. Returns the fill's GB/s."""
     capacity = int(stats["tiers"]["host"].get("capacity_bytes") or 0)
-    staging = sum(int(stats.get(f"{w}_staging", {}).get("slots", 0)) for w in ("write", "read")) * record
-    count = (capacity + staging) // record + 1
+    count = capacity // record + 1  # the staging share was faulted in at registration
     say(f"filling the RAM tier once: {count} records ({count * record / 2**30:.2f} GiB)")
     keys: list[str] = []
     t0 = time.perf_counter()
