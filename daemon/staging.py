@@ -22,7 +22,7 @@ from typing import Any, Iterable
 
 from kvswap.backends.base import Backend
 from kvswap.backends.disk import aligned_empty
-from kvswap.backends.host_pool import ALIGN, GROW_SLOTS, HostPool, HostPoolBackend, PoolWindow
+from kvswap.backends.host_pool import ALIGN, HostPool, HostPoolBackend, PoolWindow
 from kvswap.backends.host_pool import PoolSlot as Slot
 from kvswap.protocol.errors import Busy, TooLarge
 
@@ -114,7 +114,7 @@ class Staging:
             if fut.exception() is not None:
                 log.error("faulting in the host pool failed: %s", fut.exception())
 
-        asyncio.get_running_loop().run_in_executor(self._grower, pool.grow, GROW_SLOTS).add_done_callback(done)
+        asyncio.get_running_loop().run_in_executor(self._grower, pool.grow).add_done_callback(done)
 
     def close(self) -> None:
         if self._grower is not None:
