@@ -94,7 +94,7 @@ def setup_logging(level: str, fmt: str = "text") -> None:
 @click.option("--read-threads", type=click.IntRange(1, 256), default=_DEFAULTS.read_threads,
               help="Threads reading records.")
 @click.option("--data-thread-nice", type=click.IntRange(0, 19), default=_DEFAULTS.data_thread_nice,
-              help="Nice value added to the copy and I/O threads, so the control loop runs first (0: none).")
+              help="Nice value added to the I/O and upkeep threads (half of it to the copy thread), so the control loop runs first (0: none).")
 @click.option("--write-staging-bytes", type=BYTES, default=_DEFAULTS.write_staging_bytes,
               help="Staging memory for copied blocks awaiting their write; full means swap_out answers busy.")
 @click.option("--read-staging-bytes", type=BYTES, default=_DEFAULTS.read_staging_bytes,

@@ -105,7 +105,10 @@ class Swapper:
         self._write_pool = data_pool(self.config.write_threads, "kvswap-write", nice)
         self._read_pool = data_pool(self.config.read_threads, "kvswap-read", nice)
         # Gathers and scatters are memory copies; one thread keeps them ordered and off the loop.
-        self._copy_pool = data_pool(1, "kvswap-copy", nice)
+        # The engine waits for the copy ("copied"), not for the writes: it runs between the
+        # loop and the I/O threads (py-spy of one swap_out: the copy thread shared the cores
+        # with the write threads' checksums and system calls).
+        self._copy_pool = data_pool(1, "kvswap-copy", nice // 2)
         self.registrar.start()
         self.upkeep.start()
         self.metrics.watch_stores(lambda: list(self.registrar.open_stores()))

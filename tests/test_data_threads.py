@@ -38,10 +38,13 @@ def test_daemon_data_threads_run_below_the_loop(tmp_path: Path, cache: HostKVCac
             assert c.swap_in(keys, list(range(8))).loaded == 8
             nices = thread_nices(daemon.proc.pid)
             assert nices[daemon.proc.pid] == 0  # the main thread runs the loop
-            lowered = [tid for tid, n in nices.items() if n == nice and tid != daemon.proc.pid]
+            lowered = [tid for tid, n in nices.items() if n > 0 and tid != daemon.proc.pid]
             # the copy thread and at least one write and one read thread have run by now (the
-            # upkeep thread only after its first interval)
+            # upkeep thread only after its first interval); the I/O threads at the nice value
+            # asked for, the copy thread (which the engine waits on) halfway to the loop
             assert (len(lowered) >= 3) if nice else all(n == 0 for n in nices.values()), nices
+            assert set(nices.values()) <= {0, nice // 2, nice}, nices
+            assert not nice or nice in nices.values(), nices
     finally:
         assert daemon.stop() == 0, daemon.log()
 
@@ -50,6 +53,6 @@ def test_pool_threads_lower_only_themselves() -> None:
     mine = os.getpriority(os.PRIO_PROCESS, 0)
     with data_pool(2, "t", 5) as pool:
         seen = list(pool.map(lambda _: os.getpriority(os.PRIO_PROCESS, 0), range(4)))
-    assert set(seen) == {min(19, mine + 5)}
+    assert set(seen) == {min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + 5)}
     assert os.getpriority(os.PRIO_PROCESS, 0) == mine
     assert lower_priority(0) is True
