@@ -91,9 +91,9 @@ class Config:
     write_threads: int = 4
     #: Threads reading records; reads have their own pool so writes never starve them.
     read_threads: int = 4
-    #: How much lower than the event loop the copy, I/O and upkeep threads are scheduled (a
-    #: nice value, 0..19; 0: same priority). Measured in data_threads.py: with 10, ping p99
-    #: under a swap_out stream fell from 10.7 to 4.6 ms on 2 cores.
+    #: How much lower than the event loop the I/O and upkeep threads are scheduled (a nice
+    #: value, 0..19; 0: same priority); the copy thread gets half. Measured in data_threads.py:
+    #: with 10, ping p99 under a swap_out stream fell from 10.7 to 4.6 ms on 2 cores.
     data_thread_nice: int = 10
     #: Staging memory for swap_out: copied blocks wait here for their write. When it is full
     #: swap_out answers busy.
