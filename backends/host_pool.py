@@ -146,6 +146,15 @@ class HostPool:
             self._free.extend(range(start, stop))
         return stop - start
 
+    def grow_all(self) -> int:
+        """Fault in every slot still untouched, ``GROW_BYTES`` at a time; returns how many.
+        Once the RAM tier has filled what is faulted, a daemon under load soon needs the
+        rest: paying it in one background burst beats paying it again at every later burst."""
+        total = 0
+        while (step := self.grow()) > 0:
+            total += step
+        return total
+
     def wants_growth(self) -> bool:
         """Whether unfaulted slots remain and the free ones are down to half the staging
         share (the RAM tier has filled what is faulted; it may have more)."""

@@ -100,8 +100,8 @@ class Staging:
             self.metrics.staging_slots.labels(pool=window.name, state="used").set_function(lambda w=window: w.in_use)
 
     def _grow(self) -> None:
-        """Fault in more of the pool's RAM-tier share in the background when the free slots
-        run low (on the loop; the faulting itself runs on a low-priority thread)."""
+        """Fault in the rest of the pool's RAM-tier share in the background once the free
+        slots run low (on the loop; the faulting itself runs on a low-priority thread)."""
         pool = self.pool
         if pool is None or self._growing or not pool.wants_growth():
             return
@@ -114,7 +114,7 @@ class Staging:
             if fut.exception() is not None:
                 log.error("faulting in the host pool failed: %s", fut.exception())
 
-        asyncio.get_running_loop().run_in_executor(self._grower, pool.grow).add_done_callback(done)
+        asyncio.get_running_loop().run_in_executor(self._grower, pool.grow_all).add_done_callback(done)
 
     def close(self) -> None:
         if self._grower is not None:
@@ -194,5 +194,6 @@ class Staging:
                                for w in self.pools}
         if self.pool is not None:
             out["host_pool"] = {"slots": self.pool.capacity, "faulted": self.pool.faulted,
-                                "available": self.pool.available, "slot_bytes": self.pool.slot_bytes}
+                                "available": self.pool.available, "slot_bytes": self.pool.slot_bytes,
+                                "growing": self._growing}
         return out

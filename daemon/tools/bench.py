@@ -519,6 +519,9 @@ def _fill_ram_tier(c: Client, stats: dict[str, Any], batches: list[list[int]], r
         n += 1
     c.flush()
     fill_s = time.perf_counter() - t0
+    waited = time.monotonic() + 120
+    while (c.stats().get("host_pool") or {}).get("growing") and time.monotonic() < waited:
+        time.sleep(0.2)  # the rest of the pool is faulting in on its own; let it finish
     for start in range(0, len(keys), 1000):
         c.delete(keys[start:start + 1000])
     return len(keys) * record / fill_s / 1e9
