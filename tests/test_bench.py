@@ -5,6 +5,7 @@ the same run. It asserts no timing, only that the numbers exist and the data rou
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,14 +14,16 @@ EXPECTED = {
     "swap_out copied": "memcpy",
     "swap_out copied, until written": "write",
     "swap_out persisted": "write",
-    "swap_in hot": "memcpy",
-    "swap_in cold": "read",
+    "swap_out persisted, RAM tier's first fill": "write",
+    "swap_out copied, one request of 16, idle": "memcpy",
+    "swap_in cold": "O_DIRECT read x4",
+    "swap_in warm (page cache)": "buffered warm read x4",
     "host layout conversion": "memcpy into slots",
     "host layout conversion vs bulk": "memcpy bulk",
 }
 UNBASED = ["swap_out copied latency p50", "swap_out copied latency p99", "ping p50 under load",
            "ping p99 under load", "lookup 1000 keys p50 under load", "lookup 1000 keys p99 under load",
-           "blocks streamed meanwhile", "daemon CPU while swapping", "daemon CPU idle"]
+           "blocks streamed meanwhile", "swap_out stream meanwhile", "daemon CPU while swapping", "daemon CPU idle"]
 
 
 def test_bench_quick_produces_every_field(tmp_path: Path) -> None:
@@ -31,7 +34,10 @@ def test_bench_quick_produces_every_field(tmp_path: Path) -> None:
     data = json.loads(result.stdout)
     assert data["preset"] == "tiny" and data["blocks"] == 64
     results = data["results"]
-    assert set(results) == set(EXPECTED) | set(UNBASED)
+    hot = {name for name in results if name.startswith("swap_in hot")}
+    assert hot in ({"swap_in hot (RAM tier)"}, {"swap_in hot (no RAM tier)"}), hot
+    assert results[hot.pop()]["baseline"] == "memcpy"
+    assert set(results) - {"swap_in hot (RAM tier)", "swap_in hot (no RAM tier)"} == set(EXPECTED) | set(UNBASED)
     for name, baseline in EXPECTED.items():
         row = results[name]
         assert row["value"] > 0, name
@@ -40,6 +46,31 @@ def test_bench_quick_produces_every_field(tmp_path: Path) -> None:
         assert abs(row["ratio"] - row["value"] / row["baseline_value"]) < 0.01 * row["ratio"] + 1e-3
     for name in UNBASED:
         assert results[name]["value"] >= 0 and results[name]["baseline"] is None
-    assert data["cold_method"]
+    assert data["cold_method"] == "O_DIRECT reads, no host tier"  # never drop_caches unless asked
+    # The raw baselines use the daemon's thread counts, and say so.
+    assert data["write_threads"] == 4 and data["read_threads"] == 4
+    assert "x4" in results["swap_out persisted"]["baseline"]
+    # Counts are integers; a p99 of 30 samples comes with a warning.
+    assert results["blocks streamed meanwhile"]["value"] == int(results["blocks streamed meanwhile"]["value"])
+    assert isinstance(results["blocks streamed meanwhile"]["value"], int)
+    assert results["ping p99 under load"]["samples"] == 30
+    assert any("ping p99 under load: only 30 samples" in w for w in data["warnings"])
+    assert "CPUs" in data["machine"] and data["fsync"] == "none"
     # The bench cleans up after itself.
     assert not any((tmp_path / "bench").rglob("*.kvr"))
+
+
+def test_bench_plot_without_matplotlib_fails_before_measuring(tmp_path: Path) -> None:
+    """--plot checks for matplotlib first: an operator without it learns in a second, not
+    after minutes of measuring (the 'baselines' progress line never appears)."""
+    shim = tmp_path / "shim" / "matplotlib"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError('matplotlib hidden by the test')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "shim")}
+    result = subprocess.run(
+        [sys.executable, "-m", "kvswap.daemon.tools.admin", "bench", "--quick", "--plot", str(tmp_path / "p.png"),
+         "--storage-dir", str(tmp_path / "bench")], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 1, result.stderr
+    assert "--plot needs matplotlib" in result.stderr
+    assert "baselines" not in result.stderr
+    assert not (tmp_path / "bench").exists()

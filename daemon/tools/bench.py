@@ -1,9 +1,13 @@
 """``kvswap bench``: the daemon's throughput and latency next to baselines measured in the same
-run on the same directory (raw O_DIRECT sequential I/O, memcpy of the same bytes).
+run on the same directory (raw I/O with the daemon's own thread counts and request size,
+memcpy of the same bytes).
 
 Phases, in order: baselines; swap_out answered at "copied" (a stream, writes overlapping);
-swap_out answered at "persisted"; swap_in hot (right after the write, page cache warm where
-buffered I/O is used) and cold (page cache dropped where permitted, else O_DIRECT reads);
+swap_out answered at "persisted"; swap_in hot (the daemon as configured, right after the
+write: its host tier where it has one); swap_in cold (a second daemon on the same directory
+with no host tier and O_DIRECT reads, so no cache can serve it; or, only with
+``drop_caches``, buffered reads after dropping the machine's page cache); swap_in warm (a
+third daemon, buffered I/O, no host tier, reading each record a second time: the page cache);
 ping and 1,000-key lookup latency while a swap_out stream runs; host layout conversion vs
 memcpy; the daemon's CPU use while busy and while idle.
 """
@@ -15,21 +19,26 @@ import statistics
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from kvswap.protocol import Busy, Client, HostKVCache, KvswapError
 
+from ..config import Config
 from ..movers.copy_plan import Placement
 from ..movers.host import HostMover
+from ..staging import aligned_empty
 from .local_daemon import LocalDaemon
 from .presets import preset_layout
-from ..staging import aligned_empty
 
 CHUNK = 4 * 1024 * 1024
+ALIGN = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: Fewer samples than this and the p99 is just the worst one or two: the report says so.
+P99_MIN_SAMPLES = 100
 
 
 @dataclass
@@ -39,10 +48,16 @@ class Row:
     unit: str
     baseline: str = ""
     baseline_value: float = 0.0
+    #: How many measurements the value summarises (latency quantiles), 0 when not a sample.
+    samples: int = 0
 
     @property
     def ratio(self) -> float | None:
         return self.value / self.baseline_value if self.baseline_value else None
+
+    @property
+    def is_count(self) -> bool:
+        return self.unit in ("blocks", "samples")
 
 
 @dataclass
@@ -53,35 +68,67 @@ class Report:
     batch: int
     direct_io: bool
     cold_method: str
+    fsync: str = "none"
+    host_tier: bool = False
+    threads: tuple[int, int] = (0, 0)
     rows: list[Row] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
-    def add(self, name: str, value: float, unit: str, baseline: str = "", baseline_value: float = 0.0) -> None:
-        self.rows.append(Row(name, value, unit, baseline, baseline_value))
+    def add(self, name: str, value: float, unit: str, baseline: str = "", baseline_value: float = 0.0,
+            samples: int = 0) -> None:
+        self.rows.append(Row(name, value, unit, baseline, baseline_value, samples))
+        if samples and samples < P99_MIN_SAMPLES and "p99" in name:
+            self.warnings.append(f"{name}: only {samples} samples, too few for a p99 "
+                                 f"(want {P99_MIN_SAMPLES}+; the value is about the worst sample)")
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "preset": self.preset, "record_bytes": self.record_bytes, "blocks": self.blocks, "batch": self.batch,
-            "direct_io": self.direct_io, "cold_method": self.cold_method,
-            "results": {r.name: {"value": _sig(r.value), "unit": r.unit, "baseline": r.baseline or None,
+            "direct_io": self.direct_io, "cold_method": self.cold_method, "fsync": self.fsync,
+            "host_tier": self.host_tier, "write_threads": self.threads[0], "read_threads": self.threads[1],
+            "machine": machine(), "warnings": list(self.warnings),
+            "results": {r.name: {"value": int(r.value) if r.is_count else _sig(r.value), "unit": r.unit,
+                                 "baseline": r.baseline or None,
                                  "baseline_value": _sig(r.baseline_value) or None,
-                                 "ratio": _sig(r.ratio) if r.ratio is not None else None} for r in self.rows},
+                                 "ratio": _sig(r.ratio) if r.ratio is not None else None,
+                                 **({"samples": r.samples} if r.samples else {})} for r in self.rows},
         }
 
     def table(self) -> str:
         lines = [f"preset {self.preset}: {self.blocks} blocks of {self.record_bytes / 2**20:.2f} MiB, "
                  f"{self.batch} per request, direct I/O {'on' if self.direct_io else 'off'}, "
-                 f"cold reads: {self.cold_method}", "",
-                 f"{'measure':34}{'value':>12}  {'unit':8}{'baseline':>28}{'ratio':>8}"]
+                 f"fsync {self.fsync}, host tier {'on' if self.host_tier else 'off'}, "
+                 f"{self.threads[0]} write / {self.threads[1]} read threads",
+                 f"cold reads: {self.cold_method}", f"machine: {machine()}", "",
+                 f"{'measure':42}{'value':>12}  {'unit':8}{'baseline':>36}{'ratio':>8}"]
         for r in self.rows:
             base = f"{r.baseline} {r.baseline_value:.2f}" if r.baseline else ""
             ratio = f"{r.ratio:.2f}x" if r.ratio is not None else ""
-            lines.append(f"{r.name:34}{r.value:12.3f}  {r.unit:8}{base:>28}{ratio:>8}")
+            value = f"{int(r.value):12d}" if r.is_count else f"{r.value:12.3f}"
+            name = f"{r.name} (n={r.samples})" if r.samples else r.name
+            lines.append(f"{name:42}{value}  {r.unit:8}{base:>36}{ratio:>8}")
+        lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
 
 def _sig(x: float) -> float:
     """Four significant digits: small ratios stay visible, big numbers stay readable."""
     return float(f"{x:.4g}")
+
+
+def machine() -> str:
+    """What the numbers were measured on: CPUs (model and count) and memory."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        mem = 0.0
+    return f"{os.cpu_count()} CPUs{' (' + model + ')' if model else ''}, {mem:.0f} GiB RAM"
 
 
 # -- baselines ---------------------------------------------------------------------------------
@@ -95,9 +142,80 @@ def memcpy_gbps(nbytes: int) -> float:
     return nbytes / (time.perf_counter() - t) / 1e9
 
 
+@dataclass
+class RawIO:
+    """Raw I/O of the same bytes the daemon moves, with the daemon's request size (one record,
+    rounded up to 4 KiB) and thread counts: a ratio above 1 would mean the baseline hid
+    something, not that kvswap beat the disk."""
+
+    write: float
+    cold_read: float  # O_DIRECT (the page cache never helps), or buffered after a drop
+    warm_read: float  # buffered, the file just read once: the page cache
+    direct: bool
+    cold_method: str
+
+
+def raw_parallel_io(directory: str, nbytes: int, record_bytes: int, write_threads: int, read_threads: int,
+                    fsync: str = "none", drop_caches: bool = False) -> RawIO:
+    """Write then read ``nbytes`` as record-sized requests spread over the daemon's thread
+    counts, in one file. With ``fsync`` other than none every request is followed by an
+    fdatasync, as the daemon does per record."""
+    request = (record_bytes + ALIGN - 1) // ALIGN * ALIGN
+    count = max(1, nbytes // request)
+    path = os.path.join(directory, f".bench-raw-{os.getpid()}")
+    direct = bool(_O_DIRECT)
+    bufs = [aligned_empty(request) for _ in range(max(write_threads, read_threads))]
+    for b in bufs:
+        b[:] = np.random.default_rng(1).integers(0, 256, request, dtype=np.uint8)
+
+    def run(fd: int, threads: int, op: Callable[[int, list, int], int], sync: bool) -> float:
+        def worker(w: int) -> None:
+            for i in range(w, count, threads):
+                op(fd, [bufs[w]], i * request)
+                if sync:
+                    os.fdatasync(fd)
+
+        t = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(worker, range(threads)))
+        return time.perf_counter() - t
+
+    try:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o600)
+        except OSError:
+            direct = False
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        write_s = run(fd, write_threads, os.pwritev, fsync != "none")
+        os.close(fd)
+        cold_s = 0.0
+        cold_method = ""
+        if direct:
+            fd = os.open(path, os.O_RDONLY | _O_DIRECT)
+            cold_s = run(fd, read_threads, os.preadv, False)
+            os.close(fd)
+            cold_method = "O_DIRECT reads"
+        if not direct and drop_caches and drop_page_cache():
+            fd = os.open(path, os.O_RDONLY)
+            cold_s = run(fd, read_threads, os.preadv, False)
+            os.close(fd)
+            cold_method = "buffered reads after drop_caches"
+        fd = os.open(path, os.O_RDONLY)
+        run(fd, read_threads, os.preadv, False)  # fills the page cache
+        warm_s = run(fd, read_threads, os.preadv, False)
+        os.close(fd)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    total = count * request
+    return RawIO(total / write_s / 1e9, total / cold_s / 1e9 if cold_s else 0.0, total / warm_s / 1e9, direct,
+                 cold_method)
+
+
 def raw_sequential_gbps(directory: str, nbytes: int) -> tuple[float, float, bool]:
-    """O_DIRECT sequential write then read of ``nbytes`` in 4 MiB requests (buffered with a
-    page-cache drop where O_DIRECT is refused). Returns (write GB/s, read GB/s, direct)."""
+    """Single-threaded O_DIRECT sequential write then read of ``nbytes`` in 4 MiB requests
+    (buffered where O_DIRECT is refused; then the read may come from the page cache).
+    Returns (write GB/s, read GB/s, direct). For scenarios that want the disk's best case."""
     buf = aligned_empty(CHUNK)
     buf[:] = np.random.default_rng(1).integers(0, 256, CHUNK, dtype=np.uint8)
     nbytes = max(CHUNK, nbytes // CHUNK * CHUNK)
@@ -116,8 +234,6 @@ def raw_sequential_gbps(directory: str, nbytes: int) -> tuple[float, float, bool
             os.fdatasync(fd)
         write_s = time.perf_counter() - t
         os.close(fd)
-        if not direct:
-            drop_page_cache()
         fd = os.open(path, os.O_RDONLY | (_O_DIRECT if direct else 0))
         t = time.perf_counter()
         for off in range(0, nbytes, CHUNK):
@@ -131,7 +247,9 @@ def raw_sequential_gbps(directory: str, nbytes: int) -> tuple[float, float, bool
 
 
 def drop_page_cache() -> bool:
-    """Drop clean page-cache pages (needs root). True if it worked."""
+    """Drop clean page-cache pages of the WHOLE MACHINE (needs root); every other process
+    loses its cached files too, so the bench does it only when asked (``--drop-caches``).
+    True if it worked."""
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -139,6 +257,28 @@ def drop_page_cache() -> bool:
         return True
     except OSError:
         return False
+
+
+def daemon_threads(daemon_args: Sequence[str]) -> tuple[int, int]:
+    """The write and read thread counts the daemon will run with: its flags, else its defaults."""
+    defaults = Config()
+    found = {"--write-threads": defaults.write_threads, "--read-threads": defaults.read_threads}
+    args = list(daemon_args)
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in found:
+            found[name] = int(value if eq else args[i + 1])
+    return found["--write-threads"], found["--read-threads"]
+
+
+def daemon_flag(daemon_args: Sequence[str], flag: str, default: str) -> str:
+    args = list(daemon_args)
+    value = default
+    for i, arg in enumerate(args):
+        name, eq, rest = arg.partition("=")
+        if name == flag:
+            value = rest if eq else args[i + 1]
+    return value
 
 
 def conversion_vs_memcpy(layout_name: str, blocks: int) -> tuple[float, float, float]:
@@ -196,123 +336,153 @@ def _retry_busy(call: Callable[[], Any]) -> Any:
             time.sleep(0.002)
 
 
+def _swap_in_all(c: Client, keys: list[str], batches: list[list[int]]) -> float:
+    """swap_in every batch; seconds taken. Raises if a block did not load."""
+    t0 = time.perf_counter()
+    for ids in batches:
+        r = c.swap_in([keys[i] for i in ids], ids)
+        if r.loaded != len(ids):
+            raise RuntimeError(f"swap_in loaded {r.loaded} of {len(ids)}: {r.status}")
+    return time.perf_counter() - t0
+
+
+def _reader_pass(storage_dir: str, daemon_args: Sequence[str], extra: Sequence[str], cache: HostKVCache,
+                 keys: list[str], batches: list[list[int]], passes: int) -> float:
+    """Seconds of the last of ``passes`` swap_in passes over ``keys`` by a fresh daemon on the
+    same directory (the records are read from the file tier: the flags here turn the host
+    tier off)."""
+    with LocalDaemon(storage_dir, (*daemon_args, *extra)) as daemon, Client(daemon.endpoint, timeout=120) as c:
+        c.register(cache)
+        for _ in range(passes - 1):
+            _swap_in_all(c, keys, batches)
+        return _swap_in_all(c, keys, batches)
+
+
 def run_bench(preset: str = "small", blocks: int = 512, batch: int = 32, storage_dir: str | None = None,
               daemon_args: tuple[str, ...] = (), idle_s: float = 5.0, latency_samples: int = 300,
-              say: Callable[[str], None] = lambda s: None) -> Report:
+              say: Callable[[str], None] = lambda s: None, drop_caches: bool = False) -> Report:
     layout = preset_layout(preset, blocks)
     record = layout.record_bytes
     total = record * blocks
     batch = min(batch, blocks)
+    write_threads, read_threads = daemon_threads(daemon_args)
+    fsync = daemon_flag(daemon_args, "--fsync", Config().fsync)
     owned_tmp = None
     if storage_dir is None:
         owned_tmp = tempfile.TemporaryDirectory(prefix="kvswap-bench-", dir=".")
         storage_dir = owned_tmp.name
     os.makedirs(storage_dir, mode=0o700, exist_ok=True)
     try:
-        say("baselines: memcpy, raw sequential write and read")
+        say(f"baselines: memcpy; raw write and read, {write_threads}/{read_threads} threads, "
+            f"{record / 2**20:.2f} MiB requests")
         copy_gbps = memcpy_gbps(total)
-        raw_w, raw_r, raw_direct = raw_sequential_gbps(storage_dir, total)
-        raw_name = "raw O_DIRECT" if raw_direct else "raw buffered"
+        raw = raw_parallel_io(storage_dir, total, record, write_threads, read_threads, fsync, drop_caches)
+        mode = "O_DIRECT" if raw.direct else "buffered"
+        raw_write = f"raw {mode} write x{write_threads}"
         args = ("--direct-io", "auto", *daemon_args)
-        with LocalDaemon(storage_dir, args) as daemon, HostKVCache.create(layout) as cache, \
-                Client(daemon.endpoint, timeout=120) as c:
+        with HostKVCache.create(layout) as cache:
             cache.fill_random(int.from_bytes(os.urandom(4), "little"))
-            c.register(cache)
-            direct = bool(c.stats()["tiers"]["file"].get("direct_io"))
-            pid = daemon.proc.pid  # type: ignore[union-attr]
-            tag = os.urandom(3).hex()
-            batches = [list(range(s, min(s + batch, blocks))) for s in range(0, blocks, batch)]
-            report = Report(preset, record, blocks, batch, direct, "")
+            with LocalDaemon(storage_dir, args) as daemon, Client(daemon.endpoint, timeout=120) as c:
+                c.register(cache)
+                stats = c.stats()
+                direct = bool(stats["tiers"]["file"].get("direct_io"))
+                host_tier = "host" in stats["tiers"]
+                pid = daemon.proc.pid  # type: ignore[union-attr]
+                tag = os.urandom(3).hex()
+                batches = [list(range(s, min(s + batch, blocks))) for s in range(0, blocks, batch)]
+                report = Report(preset, record, blocks, batch, direct, "", fsync, host_tier,
+                                (write_threads, read_threads))
 
-            say("swap_out, answered when copied")
-            keys_a = [f"a{tag}-{i}" for i in range(blocks)]
-            cpu0, t0 = _cpu_seconds(pid), time.perf_counter()
-            lat = []
-            for ids in batches:
-                t = time.perf_counter()
-                _retry_busy(lambda: c.swap_out(ids, [keys_a[i] for i in ids], wait="copied"))
-                lat.append(time.perf_counter() - t)
-            copied_s = time.perf_counter() - t0
-            c.flush()
-            drained_s = time.perf_counter() - t0
-            busy_cpu = (_cpu_seconds(pid) - cpu0) / drained_s
-            p50, p99 = _quantiles(lat)
-            report.add("swap_out copied", total / copied_s / 1e9, "GB/s", "memcpy", copy_gbps)
-            report.add("swap_out copied, until written", total / drained_s / 1e9, "GB/s", raw_name + " write", raw_w)
-            report.add("swap_out copied latency p50", p50 * 1e3, "ms")
-            report.add("swap_out copied latency p99", p99 * 1e3, "ms")
+                if host_tier:
+                    fill_gbps = _fill_ram_tier(c, stats, batches, record, tag, say)
+                    report.add("swap_out persisted, RAM tier's first fill", fill_gbps, "GB/s", raw_write, raw.write)
 
-            say("swap_out, answered when persisted")
-            keys_b = [f"b{tag}-{i}" for i in range(blocks)]
-            t0 = time.perf_counter()
-            for ids in batches:
-                _retry_busy(lambda: c.swap_out(ids, [keys_b[i] for i in ids], wait="persisted"))
-            persisted_s = time.perf_counter() - t0
-            report.add("swap_out persisted", total / persisted_s / 1e9, "GB/s", raw_name + " write", raw_w)
-
-            say("swap_in hot")
-            t0 = time.perf_counter()
-            for ids in batches:
-                r = c.swap_in([keys_b[i] for i in ids], ids)
-                if r.loaded != len(ids):
-                    raise RuntimeError(f"swap_in loaded {r.loaded} of {len(ids)}: {r.status}")
-            report.add("swap_in hot", total / (time.perf_counter() - t0) / 1e9, "GB/s", "memcpy", copy_gbps)
-
-            say("swap_in cold")
-            dropped = drop_page_cache()
-            report.cold_method = ("page cache dropped" if dropped else "O_DIRECT reads" if direct
-                                  else "page cache NOT dropped (not root): cold = hot")
-            t0 = time.perf_counter()
-            for ids in batches:
-                r = c.swap_in([keys_a[i] for i in ids], ids)
-                if r.loaded != len(ids):
-                    raise RuntimeError(f"swap_in loaded {r.loaded} of {len(ids)}: {r.status}")
-            report.add("swap_in cold", total / (time.perf_counter() - t0) / 1e9, "GB/s", raw_name + " read", raw_r)
-
-            say("ping and lookup latency under a swap_out stream")
-            stop = threading.Event()
-            streamed = [0]
-
-            def stream() -> None:
-                with Client(daemon.endpoint, timeout=60) as s:
-                    n = 0
-                    while not stop.is_set():
-                        ids = batches[n % len(batches)]
-                        try:
-                            s.swap_out(ids, [f"s{tag}-{n}-{i}" for i in ids], wait="copied")
-                            streamed[0] += len(ids)
-                        except KvswapError:
-                            time.sleep(0.002)
-                        n += 1
-
-            streamer = threading.Thread(target=stream, daemon=True)
-            streamer.start()
-            try:
-                lookup_keys = (keys_a * (1000 // len(keys_a) + 1))[:1000]
-                pings, lookups = [], []
-                for _ in range(latency_samples):
+                say("swap_out of one request to an idle daemon, answered when copied")
+                single = []
+                for n in range(5):
+                    ids = batches[0]
                     t = time.perf_counter()
-                    c.ping()
-                    pings.append(time.perf_counter() - t)
-                    t = time.perf_counter()
-                    c.lookup(lookup_keys)
-                    lookups.append(time.perf_counter() - t)
-            finally:
-                stop.set()
-                streamer.join(120)
-            c.flush()
-            for name, samples in (("ping", pings), ("lookup 1000 keys", lookups)):
-                p50, p99 = _quantiles(samples)
-                report.add(f"{name} p50 under load", p50 * 1e3, "ms")
-                report.add(f"{name} p99 under load", p99 * 1e3, "ms")
-            report.add("blocks streamed meanwhile", streamed[0], "blocks")
+                    c.swap_out(ids, [f"i{tag}-{n}-{i}" for i in ids], wait="copied")
+                    single.append(len(ids) * record / (time.perf_counter() - t) / 1e9)
+                    c.flush()
+                report.add(f"swap_out copied, one request of {len(batches[0])}, idle", statistics.median(single),
+                           "GB/s", "memcpy", copy_gbps)
 
-            say(f"idle CPU over {idle_s:.0f} s")
-            report.add("daemon CPU while swapping", busy_cpu * 100, "% core")
-            cpu0 = _cpu_seconds(pid)
-            time.sleep(idle_s)
-            report.add("daemon CPU idle", (_cpu_seconds(pid) - cpu0) / idle_s * 100, "% core")
-            c.clear()
+                say("swap_out, answered when copied")
+                keys_a = [f"a{tag}-{i}" for i in range(blocks)]
+                cpu0, t0 = _cpu_seconds(pid), time.perf_counter()
+                lat = []
+                for ids in batches:
+                    t = time.perf_counter()
+                    _retry_busy(lambda: c.swap_out(ids, [keys_a[i] for i in ids], wait="copied"))
+                    lat.append(time.perf_counter() - t)
+                copied_s = time.perf_counter() - t0
+                c.flush()
+                drained_s = time.perf_counter() - t0
+                busy_cpu = (_cpu_seconds(pid) - cpu0) / drained_s
+                p50, p99 = _quantiles(lat)
+                report.add("swap_out copied", total / copied_s / 1e9, "GB/s", "memcpy", copy_gbps)
+                report.add("swap_out copied, until written", total / drained_s / 1e9, "GB/s", raw_write, raw.write)
+                report.add("swap_out copied latency p50", p50 * 1e3, "ms", samples=len(lat))
+                report.add("swap_out copied latency p99", p99 * 1e3, "ms", samples=len(lat))
+
+                say("swap_out, answered when persisted")
+                keys_b = [f"b{tag}-{i}" for i in range(blocks)]
+                t0 = time.perf_counter()
+                for ids in batches:
+                    _retry_busy(lambda: c.swap_out(ids, [keys_b[i] for i in ids], wait="persisted"))
+                persisted_s = time.perf_counter() - t0
+                report.add("swap_out persisted", total / persisted_s / 1e9, "GB/s", raw_write, raw.write)
+
+                say("swap_in hot" + (" (host tier)" if host_tier else " (no host tier: from the file tier)"))
+                hot_s = _swap_in_all(c, keys_b, batches)
+                report.add("swap_in hot (RAM tier)" if host_tier else "swap_in hot (no RAM tier)",
+                           total / hot_s / 1e9, "GB/s", "memcpy", copy_gbps)
+
+                say("ping and lookup latency under a swap_out stream")
+                pings, lookups, streamed, stream_s = _latency_under_stream(daemon.endpoint, c, keys_a, batches, tag,
+                                                                           latency_samples)
+                for name, samples in (("ping", pings), ("lookup 1000 keys", lookups)):
+                    p50, p99 = _quantiles(samples)
+                    report.add(f"{name} p50 under load", p50 * 1e3, "ms", samples=len(samples))
+                    report.add(f"{name} p99 under load", p99 * 1e3, "ms", samples=len(samples))
+                report.add("blocks streamed meanwhile", streamed, "blocks")
+                # A rate, so runs whose latency phase lasted longer or shorter compare.
+                report.add("swap_out stream meanwhile", streamed * record / stream_s / 1e9, "GB/s")
+
+                say(f"idle CPU over {idle_s:.0f} s")
+                report.add("daemon CPU while swapping", busy_cpu * 100, "% core")
+                cpu0 = _cpu_seconds(pid)
+                time.sleep(idle_s)
+                report.add("daemon CPU idle", (_cpu_seconds(pid) - cpu0) / idle_s * 100, "% core")
+
+            # Reads no cache can serve: a daemon without host tier reading with O_DIRECT, or
+            # (asked for explicitly) buffered reads after dropping the machine's page cache.
+            no_host = ("--host-tier-bytes", "0")
+            cold_extra: tuple[str, ...] | None = None
+            if raw.direct:
+                cold_extra, report.cold_method = (*no_host, "--direct-io", "on"), "O_DIRECT reads, no host tier"
+            elif drop_caches:
+                say("dropping the page cache of the whole machine (--drop-caches)")
+                if drop_page_cache():
+                    cold_extra = (*no_host, "--direct-io", "off")
+                    report.cold_method = "buffered reads after drop_caches (whole machine, --drop-caches)"
+                else:
+                    report.cold_method = "not measured: drop_caches needs root"
+            else:
+                report.cold_method = "not measured: no O_DIRECT here; pass --drop-caches (as root) to drop the page cache"
+            if cold_extra is not None:
+                say("swap_in cold: " + report.cold_method)
+                cold_s = _reader_pass(storage_dir, args, cold_extra, cache, keys_a, batches, 1)
+                report.add("swap_in cold", total / cold_s / 1e9, "GB/s", f"raw {mode} read x{read_threads}",
+                           raw.cold_read)
+            say("swap_in warm: buffered reads from the page cache, no host tier")
+            warm_s = _reader_pass(storage_dir, args, (*no_host, "--direct-io", "off"), cache, keys_a, batches, 2)
+            report.add("swap_in warm (page cache)", total / warm_s / 1e9, "GB/s",
+                       f"raw buffered warm read x{read_threads}", raw.warm_read)
+            with LocalDaemon(storage_dir, args) as daemon, Client(daemon.endpoint, timeout=120) as c:
+                c.register(cache)
+                c.clear()
 
         say("host layout conversion vs memcpy")
         gather, per_record, bulk = conversion_vs_memcpy(preset, min(blocks, 256))
@@ -324,9 +494,88 @@ def run_bench(preset: str = "small", blocks: int = 512, batch: int = 32, storage
             owned_tmp.cleanup()
 
 
+def _fill_ram_tier(c: Client, stats: dict[str, Any], batches: list[list[int]], record: int, tag: str,
+                   say: Callable[[str], None]) -> float:
+    """Swap out enough records to fill the RAM tier once, then delete them: the pool faults its
+    RAM-tier share in as records first fill it (once per daemon lifetime), so the measured
+    phases after this see the daemon in its steady state. Returns the fill's GB/s."""
+    capacity = int(stats["tiers"]["host"].get("capacity_bytes") or 0)
+    count = capacity // record + 1  # the staging share was faulted in at registration
+    say(f"filling the RAM tier once: {count} records ({count * record / 2**30:.2f} GiB)")
+    keys: list[str] = []
+    t0 = time.perf_counter()
+    n = 0
+
+    def faulted_in() -> bool:  # daemons with a host pool say how much of it is faulted in
+        pool = c.stats().get("host_pool")
+        return pool is None or pool["faulted"] >= pool["slots"]
+
+    # Fill once; where the pool is still faulting in the background, keep going (up to 3x).
+    while len(keys) < count or (len(keys) < 3 * count and not faulted_in()):
+        ids = batches[n % len(batches)]
+        batch_keys = [f"f{tag}-{n}-{i}" for i in ids]
+        _retry_busy(lambda: c.swap_out(ids, batch_keys, wait="copied"))
+        keys += batch_keys
+        n += 1
+    c.flush()
+    fill_s = time.perf_counter() - t0
+    waited = time.monotonic() + 120
+    while (c.stats().get("host_pool") or {}).get("growing") and time.monotonic() < waited:
+        time.sleep(0.2)  # the rest of the pool is faulting in on its own; let it finish
+    for start in range(0, len(keys), 1000):
+        c.delete(keys[start:start + 1000])
+    return len(keys) * record / fill_s / 1e9
+
+
+def _latency_under_stream(endpoint: str, c: Client, keys: list[str], batches: list[list[int]], tag: str,
+                          samples: int) -> tuple[list[float], list[float], int, float]:
+    stop = threading.Event()
+    streamed = [0]
+
+    def stream() -> None:
+        with Client(endpoint, timeout=60) as s:
+            n = 0
+            while not stop.is_set():
+                ids = batches[n % len(batches)]
+                try:
+                    s.swap_out(ids, [f"s{tag}-{n}-{i}" for i in ids], wait="copied")
+                    streamed[0] += len(ids)
+                except KvswapError:
+                    time.sleep(0.002)
+                n += 1
+
+    streamer = threading.Thread(target=stream, daemon=True)
+    streamer.start()
+    t0 = time.perf_counter()
+    try:
+        lookup_keys = (keys * (1000 // len(keys) + 1))[:1000]
+        pings, lookups = [], []
+        for _ in range(samples):
+            t = time.perf_counter()
+            c.ping()
+            pings.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            c.lookup(lookup_keys)
+            lookups.append(time.perf_counter() - t)
+    finally:
+        elapsed = time.perf_counter() - t0
+        stop.set()
+        streamer.join(120)
+    c.flush()
+    return pings, lookups, streamed[0], elapsed
+
+
+#: Rows the block-size sweep plots: (result name or baseline key, style, legend label).
+SWEEP_SERIES = (("swap_out persisted", "o-", "swap_out persisted"), ("raw_write", "o--", "raw write (same threads)"),
+                ("swap_in cold", "s-", "swap_in cold"), ("raw_read", "s--", "raw read (same threads)"),
+                ("swap_out copied", "^-", "swap_out copied"))
+
+
 def plot_sweep(path: str, preset: str, block_sizes: list[int], blocks_bytes: int, storage_dir: str | None,
-               daemon_args: tuple[str, ...], say: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Throughput vs record size: one bench per block size (tokens), plotted to ``path``."""
+               daemon_args: tuple[str, ...], say: Callable[[str], None], repeats: int = 3,
+               drop_caches: bool = False) -> list[dict[str, Any]]:
+    """Throughput vs record size: ``repeats`` benches per block size (tokens), plotted to
+    ``path`` as mean with min-max error bars. The caller checks matplotlib is importable."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -336,30 +585,48 @@ def plot_sweep(path: str, preset: str, block_sizes: list[int], blocks_bytes: int
 
     points = []
     base = dict(presets.PRESETS[preset][1])
+    fsync = "none"
     for tokens in block_sizes:
         name = f"{preset}-bs{tokens}"
         presets.PRESETS[name] = (f"{preset} with {tokens}-token blocks", {**base, "block_size": tokens})
         record = preset_layout(name, 1).record_bytes
         blocks = max(16, blocks_bytes // record)
-        say(f"sweep: {tokens}-token blocks ({record / 2**20:.2f} MiB records), {blocks} blocks")
-        report = run_bench(name, blocks, 32, storage_dir, daemon_args, idle_s=0.5, latency_samples=20)
-        results = {r.name: r for r in report.rows}
-        points.append({"block_tokens": tokens, "record_mib": record / 2**20,
-                       **{k: results[k].value for k in ("swap_out persisted", "swap_in cold", "swap_out copied")},
-                       "raw_write": results["swap_out persisted"].baseline_value,
-                       "raw_read": results["swap_in cold"].baseline_value})
+        runs: dict[str, list[float]] = {key: [] for key, _, _ in SWEEP_SERIES}
+        for rep in range(repeats):
+            say(f"sweep: {tokens}-token blocks ({record / 2**20:.2f} MiB records), {blocks} blocks, "
+                f"run {rep + 1}/{repeats}")
+            report = run_bench(name, blocks, 32, storage_dir, daemon_args, idle_s=0.5, latency_samples=20,
+                               drop_caches=drop_caches)
+            fsync = report.fsync
+            results = {r.name: r for r in report.rows}
+            for key in ("swap_out persisted", "swap_out copied"):
+                runs[key].append(results[key].value)
+            runs["raw_write"].append(results["swap_out persisted"].baseline_value)
+            if "swap_in cold" in results:
+                runs["swap_in cold"].append(results["swap_in cold"].value)
+                runs["raw_read"].append(results["swap_in cold"].baseline_value)
+        points.append({"block_tokens": tokens, "record_mib": record / 2**20, "blocks": blocks, "runs": runs})
+    for tokens in block_sizes:  # leave the table of presets as it was
+        presets.PRESETS.pop(f"{preset}-bs{tokens}", None)
     x = [p["record_mib"] for p in points]
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for key, style, label in (("swap_out persisted", "o-", "swap_out persisted"), ("raw_write", "o--", "raw write"),
-                              ("swap_in cold", "s-", "swap_in cold"), ("raw_read", "s--", "raw read"),
-                              ("swap_out copied", "^-", "swap_out copied")):
-        ax.plot(x, [p[key] for p in points], style, label=label)
+    fig, ax = plt.subplots(figsize=(10, 5.5))
+    for key, style, label in SWEEP_SERIES:
+        series = [p["runs"][key] for p in points]
+        if not all(series):
+            continue  # not measured (cold reads without O_DIRECT or --drop-caches)
+        mean = [statistics.fmean(v) for v in series]
+        err = [[m - min(v) for m, v in zip(mean, series)], [max(v) - m for m, v in zip(mean, series)]]
+        ax.errorbar(x, mean, yerr=err, fmt=style, capsize=3, label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("record size (MiB per block)")
-    ax.set_ylabel("GB/s")
-    ax.set_title(f"kvswap throughput vs block size ({preset} preset)")
+    ax.set_ylabel("GB/s (mean of runs; bars: min to max)")
+    sizes = ", ".join(f"{p['blocks']}" for p in points)
+    ax.set_title(f"kvswap throughput vs block size ({preset} preset, fsync {fsync}, {repeats} runs per point)\n"
+                 f"{machine()}; blocks per run: {sizes}", fontsize=9)
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    # Outside the axes, so it never covers a data point.
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     return points
