@@ -24,8 +24,14 @@ state      refs   entry     where
 virgin     0      None      beyond ``_faulted``: not yet faulted in, never handed out
 free       0      None      ``_free``
 held       >= 1   any       taken by a swap, or found by a RAM hit; never evicted
-cached     0      a key     ``_lru`` (oldest first): evicted when a take needs room
+cached     0      a key     ``_idle``: evictable when a take needs room
 =========  =====  ========  ==========================================================
+
+Which cached record a take evicts is the host and file tiers' one rule, :mod:`.chains`
+(issue 14): stranded records first, then the least recent record no stored record follows, so
+a prefix chain loses its tail, never its head. ``_order`` knows every record in the pool,
+held or not; held slots are skipped. Only when every leaf is held does a take fall back to the
+longest-idle cached record (its successors are then stranded and go first next time).
 
 A :class:`PoolWindow` is a bounded share of the pool for one use (swap_out's write staging,
 swap_in's read staging): it counts the slots it took until their last holder lets go, so
@@ -48,6 +54,7 @@ from kvswap.protocol.errors import NoSpace
 from kvswap.protocol.units import round_up_to_page
 
 from .base import Backend, GetStatus, Store
+from .chains import ChainOrder
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +105,7 @@ class PoolSlot:
 
 
 class HostPool:
-    def __init__(self, record_bytes: int, staging_slots: int, cache_slots: int = 0) -> None:
+    def __init__(self, record_bytes: int, staging_slots: int, cache_slots: int = 0, eviction: str = "chain") -> None:
         if record_bytes <= 0 or staging_slots <= 0 or cache_slots < 0:
             raise ValueError("a pool needs a record size and at least one staging slot")
         self.record_bytes = record_bytes
@@ -119,13 +126,18 @@ class HostPool:
                        for i in range(self.capacity)]
         self._lock = threading.Lock()
         self._free: deque[int] = deque()
-        self._lru: OrderedDict[int, None] = OrderedDict()
+        # Cached slots nobody holds, longest idle first: what a take may evict.
+        self._idle: OrderedDict[int, None] = OrderedDict()
         self._index: dict[tuple[str, str], int] = {}
+        # Eviction order over every record (held or not), by (namespace, key).
+        self._order: ChainOrder[tuple[str, str]] = ChainOrder(eviction)
         self._faulted = 0
         self._growing = False
         #: Records held per namespace, and evicted per namespace to make room.
         self.records: Counter[str] = Counter()
         self.evicted: Counter[str] = Counter()
+        #: swap_out records refused per namespace because their predecessor was evicted.
+        self.chain_refused: Counter[str] = Counter()
         self.grow(staging_slots)
 
     # -- faulting in ------------------------------------------------------------------------------
@@ -169,22 +181,23 @@ class HostPool:
     @property
     def available(self) -> int:
         """Slots a take could have now: free, or cached and held by nobody."""
-        return len(self._free) + len(self._lru)
+        return len(self._free) + len(self._idle)
 
     def take(self, count: int, window: "PoolWindow | None" = None) -> list[PoolSlot] | None:
         """``count`` slots, each held once, or None when fewer are available (all or nothing).
-        Free slots first, then the least recently used cached records are evicted."""
+        Free slots first, then cached records are evicted in the order of :mod:`.chains`."""
         with self._lock:
             if window is not None and window.in_use + count > window.capacity:
                 return None
-            if count > len(self._free) + len(self._lru):
+            if count > len(self._free) + len(self._idle):
                 return None
             taken = []
             for _ in range(count):
                 if self._free:
                     index = self._free.popleft()
                 else:
-                    index, _ = self._lru.popitem(last=False)
+                    index = self._victim()
+                    del self._idle[index]
                     self._forget(self._slots[index], evicted=True)
                 slot = self._slots[index]
                 slot.refs = 1
@@ -206,9 +219,18 @@ class HostPool:
                 slot.window.in_use -= 1
                 slot.window = None
             if slot.entry is not None:
-                self._lru[slot.index] = None  # most recently used end
+                self._idle[slot.index] = None  # evictable again
             else:
                 self._free.append(slot.index)
+
+    def _victim(self) -> int:
+        """Under the lock, with at least one idle cached slot: the one to evict."""
+        entry = self._order.victim(skip=lambda e: self._slots[self._index[e]].refs > 0)
+        if entry is not None:
+            return self._index[entry]
+        # Every leaf is held (a swap is reading or writing it): the longest-idle record goes,
+        # stranding its successors, which the order then evicts first.
+        return next(iter(self._idle))
 
     def slot_of(self, buffer: Any) -> PoolSlot | None:
         """The held slot whose record ``buffer`` is (same address and length), else None."""
@@ -226,19 +248,32 @@ class HostPool:
     # -- the RAM tier's records ---------------------------------------------------------------------
 
     def keep(self, slot: PoolSlot, namespace: str, key: str) -> None:
-        """Make ``slot`` (held by the caller) the RAM copy of ``key``; an older copy goes."""
+        """Make ``slot`` (held by the caller) the RAM copy of ``key``; an older copy goes
+        (the record keeps its place in its chain, touched). Raises ``NoSpace`` for a swap_out's
+        record whose predecessor was evicted: no lookup could reach it."""
         entry = (namespace, key)
         with self._lock:
             old = self._index.get(entry)
             if old == slot.index:
+                self._order.add(entry)
                 return
-            if old is not None:
-                self._forget(self._slots[old])
+            if old is None and self._order.orphaned(entry):
+                self._order.release(entry)
+                self.chain_refused[namespace] += 1
+                raise _chain_broken(key)
             if slot.entry is not None:
                 self._forget(slot)
+            if old is not None:
+                self._forget(self._slots[old], keep_order=True)
             slot.entry = entry
             self._index[entry] = slot.index
             self.records[namespace] += 1
+            self._order.add(entry)
+            if self._order.is_stranded(entry):
+                # Its predecessor was evicted (to make room for it, say): nothing could reach it.
+                self._forget(slot)
+                self.chain_refused[namespace] += 1
+                raise _chain_broken(key)
 
     def find(self, namespace: str, key: str) -> PoolSlot | None:
         """The slot holding ``key``, held once more for the caller (release it), or None."""
@@ -248,11 +283,22 @@ class HostPool:
                 return None
             slot = self._slots[index]
             slot.refs += 1
-            self._lru.pop(index, None)  # held now; back to the recent end on release
+            self._idle.pop(index, None)  # held now: not evictable until released
+            self._order.add((namespace, key))  # a read makes it the most recent (then a hit prefix is touched whole)
             return slot
 
     def contains(self, namespace: str, key: str) -> bool:
         return (namespace, key) in self._index
+
+    def chain(self, namespace: str, keys: Sequence[str], reserve: bool = False) -> None:
+        """``keys`` are one chain, head first: :meth:`.chains.ChainOrder.chain`."""
+        with self._lock:
+            self._order.chain([(namespace, key) for key in keys], reserve)
+
+    def unreachable(self, namespace: str) -> int:
+        """Records of ``namespace`` no lookup can reach in this tier alone."""
+        with self._lock:
+            return self._order.unreachable(lambda entry: entry[0] == namespace)
 
     def drop(self, namespace: str, key: str) -> bool:
         with self._lock:
@@ -269,24 +315,27 @@ class HostPool:
                 self._forget(self._slots[index])
             return len(mine)
 
-    def _forget(self, slot: PoolSlot, evicted: bool = False) -> None:
-        """Under the lock: the slot no longer holds a record; unheld, it becomes free."""
+    def _forget(self, slot: PoolSlot, evicted: bool = False, keep_order: bool = False) -> None:
+        """Under the lock: the slot no longer holds a record; unheld, it becomes free. With
+        ``keep_order`` the record lives on in another slot (its links and stamp stay)."""
         assert slot.entry is not None
         namespace = slot.entry[0]
         del self._index[slot.entry]
+        if not keep_order:
+            self._order.remove(slot.entry)
         slot.entry = None
         self.records[namespace] -= 1
         if evicted:
             self.evicted[namespace] += 1
         elif slot.refs == 0:
-            del self._lru[slot.index]
+            del self._idle[slot.index]
             self._free.append(slot.index)
 
     def problems(self) -> list[str]:
         """Inconsistencies between slots, lists and index (empty when consistent). For tests."""
         out = []
         with self._lock:
-            free, lru = set(self._free), set(self._lru)
+            free, lru = set(self._free), set(self._idle)
             if len(free) != len(self._free):
                 out.append("a slot is free twice")
             for slot in self._slots[: self._faulted]:
@@ -299,6 +348,8 @@ class HostPool:
                     out.append(f"slot {slot.index} holds {slot.entry} but the index disagrees")
             if len(self._index) != sum(self.records.values()):
                 out.append(f"index holds {len(self._index)} records, counted {sum(self.records.values())}")
+            if len(self._order) != len(self._index) or any(e not in self._order for e in self._index):
+                out.append(f"eviction order knows {len(self._order)} records, the pool holds {len(self._index)}")
         return out
 
 
@@ -447,6 +498,23 @@ class HostPoolStore(Store):
                 return i
         return len(keys)
 
+    def expect_chain(self, keys: Sequence[str]) -> None:
+        """A swap_out is about to write ``keys``, one chain head first: the tail gets the
+        oldest stamp (see :mod:`.chains`)."""
+        pool = self._pool()
+        if pool is not None:
+            pool.chain(self.namespace, keys, reserve=True)
+
+    def touch_chain(self, keys: Sequence[str], persist: bool = False) -> None:
+        """A hit prefix, touched as a whole, head newest (RAM has nothing to persist)."""
+        pool = self._pool()
+        if pool is not None:
+            pool.chain(self.namespace, keys)
+
+    def unreachable(self) -> int:
+        pool = self._pool()
+        return pool.unreachable(self.namespace) if pool is not None else 0
+
     def delete(self, key: str) -> bool:
         pool = self._pool()
         return pool is not None and pool.drop(self.namespace, key)
@@ -468,6 +536,13 @@ class HostPoolStore(Store):
         out: dict[str, Any] = dict(self.usage())
         evictions = pool.evicted[self.namespace] if pool is not None else 0
         out.update(hits=self.hits, misses=self.misses, evictions=evictions, evicted_capacity=evictions, corrupt=0,
+                   chain_refused=pool.chain_refused[self.namespace] if pool is not None else 0,
+                   unreachable=self.unreachable(),
                    pool_slots=pool.capacity if pool is not None else 0,
                    pool_faulted=pool.faulted if pool is not None else 0)
         return out
+
+
+def _chain_broken(key: str) -> NoSpace:
+    return NoSpace("the record before this one in its chain was evicted; storing it would waste the space",
+                   key=key, tier="host")
