@@ -218,10 +218,26 @@ class HostPool:
             if slot.window is not None:
                 slot.window.in_use -= 1
                 slot.window = None
-            if slot.entry is not None:
+            if slot.entry is not None and self._order.is_stranded(slot.entry):
+                # Stranded while held (a write of its predecessor failed on another thread):
+                # unreachable, so it goes now rather than take a slot until the next eviction.
+                self._idle[slot.index] = None
+                self._forget(slot, stranded=True)
+            elif slot.entry is not None:
                 self._idle[slot.index] = None  # evictable again
             else:
                 self._free.append(slot.index)
+
+    def _drop_stranded(self) -> None:
+        """Under the lock: forget every stranded record nobody holds (the held ones go when
+        released). A refused or released chain member strands what was stored after it, and
+        with writes of one request on several threads that can be records already kept."""
+        held = lambda e: self._slots[self._index[e]].refs > 0  # noqa: E731
+        while self._order.stranded:
+            entry = self._order.victim(skip=held)
+            if entry is None or not self._order.is_stranded(entry):
+                return
+            self._forget(self._slots[self._index[entry]], stranded=True)
 
     def _victim(self) -> int:
         """Under the lock, with at least one idle cached slot: the one to evict."""
@@ -260,6 +276,7 @@ class HostPool:
             if old is None and self._order.orphaned(entry):
                 self._order.release(entry)
                 self.chain_refused[namespace] += 1
+                self._drop_stranded()
                 raise _chain_broken(key)
             if slot.entry is not None:
                 self._forget(slot)
@@ -273,6 +290,7 @@ class HostPool:
                 # Its predecessor was evicted (to make room for it, say): nothing could reach it.
                 self._forget(slot)
                 self.chain_refused[namespace] += 1
+                self._drop_stranded()
                 raise _chain_broken(key)
 
     def find(self, namespace: str, key: str) -> PoolSlot | None:
@@ -315,9 +333,11 @@ class HostPool:
                 self._forget(self._slots[index])
             return len(mine)
 
-    def _forget(self, slot: PoolSlot, evicted: bool = False, keep_order: bool = False) -> None:
+    def _forget(self, slot: PoolSlot, evicted: bool = False, keep_order: bool = False,
+                stranded: bool = False) -> None:
         """Under the lock: the slot no longer holds a record; unheld, it becomes free. With
-        ``keep_order`` the record lives on in another slot (its links and stamp stay)."""
+        ``keep_order`` the record lives on in another slot (its links and stamp stay);
+        ``stranded`` records dropped as unreachable count as evicted."""
         assert slot.entry is not None
         namespace = slot.entry[0]
         del self._index[slot.entry]
@@ -325,6 +345,8 @@ class HostPool:
             self._order.remove(slot.entry)
         slot.entry = None
         self.records[namespace] -= 1
+        if stranded:
+            self.evicted[namespace] += 1
         if evicted:
             self.evicted[namespace] += 1
         elif slot.refs == 0:

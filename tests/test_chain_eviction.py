@@ -204,6 +204,21 @@ def test_a_replaced_host_record_keeps_its_place_in_the_chain():
     assert [store.contains(k) for k in "abcyz"] == [True, False, False, True, True]
 
 
+def test_a_host_record_stranded_by_a_refusal_on_another_thread_is_dropped():
+    """A swap_out's records are written on several threads: b may be kept before a, and then a
+    is refused (its predecessor x was evicted). b is unreachable; the pool must not keep it."""
+    backend, store = host_store(4)
+    store.put("x", payload(0))
+    store.expect_chain(["x", "a", "b"])
+    store.put("b", payload(2))  # a is still to come: b is kept
+    assert store.contains("b")
+    assert store.delete("x")  # evicted meanwhile
+    with pytest.raises(NoSpace):
+        store.put("a", payload(1))
+    assert not store.contains("b") and store.usage()["records"] == 0
+    assert store.stats()["unreachable"] == 0 and backend.problems() == []
+
+
 def test_a_restart_keeps_the_chain_order_in_the_files_mtimes(tmp_path):
     backend = FileBackend(str(tmp_path))
     store = backend.open_store(NS, {}, RECORD)
