@@ -305,7 +305,7 @@ def test_every_stored_record_is_reachable_by_a_lookup_of_its_chain(tmp_path, big
             stored = _record_files(tmp_path / "store") if tier == "file" else stats["records"]
             hits = [c.lookup(chain) for chain in chains]
             assert 0 < stored <= CAP_RECORDS
-            assert sum(hits) == stored, f"{stored} records stored, {sum(hits)} reachable: {hits}"
+            assert sum(hits) == stored, f"{stored} records stored, {sum(hits)} reachable: {hits}; {stats}"
             assert hits[-1] >= 1  # the newest chain, longer than the cap, kept its head
             assert stats["unreachable"] == 0
     finally:
