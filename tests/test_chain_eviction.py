@@ -283,12 +283,10 @@ def _record_files(root: Path) -> int:
 @pytest.mark.parametrize("tier", ["file", "host"])
 def test_every_stored_record_is_reachable_by_a_lookup_of_its_chain(tmp_path, big_cache, tier):
     if tier == "file":
-        # One write thread: with several, a record can be stored by one thread after its
-        # predecessor was refused on another, and stays unreachable until the next eviction
-        # (a known race, in the closing note of issue 14's landing); this test checks the
-        # eviction rule itself.
+        # The daemon's default write threads: a record one thread stores after another
+        # thread refused its predecessor must not stay behind, unreachable.
         record_size = 256 + RECORD_BYTES  # small records carry a 256-byte header on disk
-        args = ["--storage-max-bytes", str(CAP_RECORDS * record_size), "--write-threads", "1",
+        args = ["--storage-max-bytes", str(CAP_RECORDS * record_size),
                 "--host-tier-bytes", "0"]
     else:
         # The host pool holds the RAM tier's records in its staging slots too: the cap is the
