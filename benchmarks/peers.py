@@ -88,7 +88,7 @@ def run_kvswap(directory: str, layout: CacheLayout, daemon_args: list[str]) -> d
             # records first fill it, once per daemon lifetime.
             for n in range(2):
                 for ids in batches:
-                    c.swap_out(ids, [f"warm{n}-{i}" for i in ids], wait="copied")
+                    c.swap_out(ids, [f"warm{n}-{i}" for i in ids], wait="persisted")  # never busy
                 c.flush()
                 c.delete([f"warm{n}-{i}" for i in range(blocks)])
             t = time.perf_counter()
