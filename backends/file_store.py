@@ -186,6 +186,8 @@ class FileStore(Store):
         name, path = self.path_of(key)
         worth, stamp = self.index.stamp_for_write(name)
         if not worth:
+            # Refused, so records after it that other write threads already stored are stranded.
+            self._drop_stranded()
             raise self._chain_broken(key)
         header = self._header(key, payload)
         try:

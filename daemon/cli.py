@@ -18,13 +18,23 @@ import click
 
 from kvswap import __version__
 
-from .config import OTHER_ENV_VARS, Config, ConfigError, default_storage_dir
+from .config import OTHER_ENV_VARS, Config, ConfigError, default_host_tier_bytes, default_storage_dir
 # BYTES, the flags' size type, lives in config_file (which checks a file's sizes with it);
 # tools and tests import it from here, with the flags.
-from .config_file import BYTES, FILE_VALUES_KEY, load_config_option, print_config, value_source
+from .config_file import BYTES, FILE_VALUES_KEY, ByteSize, load_config_option, print_config, value_source
 from .logs import LOG_FORMATS, configure_logging
 
 log = logging.getLogger("kvswap.daemon")
+
+
+class HostTierSize(ByteSize):
+    """A size, or ``auto``: the machine's default RAM tier (see ``default_host_tier_bytes``)."""
+
+    def convert(self, value, param, ctx):  # type: ignore[override]
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return default_host_tier_bytes()
+        return super().convert(value, param, ctx)
+
 
 _DEFAULTS = Config(storage_dir="")
 
@@ -137,8 +147,9 @@ def _config_error(ctx: click.Context, exc: ValueError, effective: dict[str, Any]
               help="How often the evicting daemon re-lists a shared directory (0 = only at start-up).")
 @click.option("--maintenance-interval-s", type=click.FloatRange(0.01), default=_DEFAULTS.maintenance_interval_s,
               help="How often background eviction checks the watermarks.")
-@click.option("--host-tier-bytes", type=BYTES, default=_DEFAULTS.host_tier_bytes,
-              help="RAM for the host tier, least recently used out (0 = no host tier).")
+@click.option("--host-tier-bytes", type=HostTierSize(), default="auto",
+              help="RAM for the host tier, tails of prefix chains out first; auto = 1/8 of physical memory, at most "
+                   "4 GiB (0 = no host tier).")
 @click.option("--remote-url", default=_DEFAULTS.remote_url, show_default=False,
               help="Remote tier: redis://HOST:PORT/DB, redis+cluster://HOST:PORT or "
                    "mooncake://MASTER:PORT?metadata=URL&protocol=tcp|rdma (empty = none).")
@@ -156,6 +167,8 @@ def _config_error(ctx: click.Context, exc: ValueError, effective: dict[str, Any]
               help="Threads writing records.")
 @click.option("--read-threads", type=click.IntRange(1, 256), default=_DEFAULTS.read_threads,
               help="Threads reading records.")
+@click.option("--data-thread-nice", type=click.IntRange(0, 19), default=_DEFAULTS.data_thread_nice,
+              help="Nice value added to the I/O and upkeep threads (half of it to the copy thread), so the control loop runs first (0: none).")
 @click.option("--write-staging-bytes", type=BYTES, default=_DEFAULTS.write_staging_bytes,
               help="Staging memory for copied blocks awaiting their write; full means swap_out answers busy.")
 @click.option("--read-staging-bytes", type=BYTES, default=_DEFAULTS.read_staging_bytes,

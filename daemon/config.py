@@ -39,6 +39,22 @@ class ConfigError(ValueError):
         self.settings = settings
 
 
+#: The default RAM tier takes this share of physical memory, up to DEFAULT_HOST_TIER_MAX.
+DEFAULT_HOST_TIER_SHARE = 8
+DEFAULT_HOST_TIER_MAX = 4 * 1024 * MiB
+
+
+def default_host_tier_bytes() -> int:
+    """1/8 of physical memory, at most 4 GiB: room for the records an engine is likely to ask
+    for again soon, leaving the machine's memory to the engine. The pool reserves it at
+    registration but faults it in only as records fill it, so an idle daemon costs nothing."""
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 1024 * MiB
+    return min(DEFAULT_HOST_TIER_MAX, physical // DEFAULT_HOST_TIER_SHARE // MiB * MiB)
+
+
 def default_storage_dir() -> str:
     """FastDeploy's variable names the directory where it is set, so a daemon started beside
     FastDeploy lands on the same store."""
@@ -77,8 +93,9 @@ class Config:
     storage_rescan_interval_s: float = 0.0
     #: How often background eviction checks the watermarks.
     maintenance_interval_s: float = 1.0
-    #: Bytes of RAM for the host tier (0: no host tier).
-    host_tier_bytes: int = 0
+    #: Bytes of RAM for the host tier (0: no host tier). On by default: 1/8 of the machine's
+    #: memory, at most 4 GiB (see default_host_tier_bytes).
+    host_tier_bytes: int = field(default_factory=lambda: default_host_tier_bytes())
     #: The remote tier: ``redis://HOST:PORT/DB``, ``redis+cluster://HOST:PORT`` or
     #: ``mooncake://MASTER:PORT?metadata=...&protocol=tcp|rdma`` ("" : no remote tier).
     remote_url: str = ""
@@ -98,6 +115,10 @@ class Config:
     write_threads: int = 4
     #: Threads reading records; reads have their own pool so writes never starve them.
     read_threads: int = 4
+    #: How much lower than the event loop the I/O and upkeep threads are scheduled (a nice
+    #: value, 0..19; 0: same priority); the copy thread gets half. Measured in data_threads.py:
+    #: with 10, ping p99 under a swap_out stream fell from 10.7 to 4.6 ms on 2 cores.
+    data_thread_nice: int = 10
     #: Staging memory for swap_out: copied blocks wait here for their write. When it is full
     #: swap_out answers busy.
     write_staging_bytes: int = 256 * MiB
@@ -141,6 +162,8 @@ class Config:
         for name in ("write_threads", "read_threads", "max_inflight_requests", "max_inflight_per_client"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if not 0 <= self.data_thread_nice <= 19:
+            raise ValueError(f"data_thread_nice must be in 0..19, got {self.data_thread_nice}")
         for name in ("write_staging_bytes", "read_staging_bytes"):
             if getattr(self, name) < PAGE_BYTES:
                 raise ValueError(f"{name} must be at least {PAGE_BYTES}")

@@ -1,32 +1,33 @@
-"""Bounded staging memory: fixed-size slots, one record each, carved from one arena.
+"""Bounded staging memory: fixed-size slots, one record each, in the daemon's host pool.
 
 Every byte a swap moves passes through a slot, so the slot count is the daemon's memory
 bound: when none are free, swap_out answers ``busy`` rather than allocating more. Slots are
-4 KiB aligned so direct I/O can use them, and the arena is touched once at creation, so no
-page fault lands on the swap path.
+4 KiB aligned so direct I/O can use them, and are faulted in before they are handed out, so
+no page fault lands on the swap path.
 
-:class:`Staging` is the daemon's staging: a write pool (swap_out) and a read pool (swap_in),
-their metrics, their pinning for GPU movers and their registration with tiers that transfer
-straight from registered memory. Its interface is slots: take them (all or nothing), hold
-them with ``retain``, give them back with ``release``; a slot returns to its pool when its
-last holder lets go.
+:class:`Staging` is the daemon's staging: one :class:`~kvswap.backends.host_pool.HostPool`
+shared by a write window (swap_out), a read window (swap_in) and the RAM tier, its metrics,
+its pinning for GPU movers and its registration with tiers that transfer straight from
+registered memory. Its interface is slots: take them (all or nothing), hold them with
+``retain``, give them back with ``release``; a slot returns to the pool when its last holder
+lets go, as a free slot or, when the RAM tier kept it, as a cached record.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
-from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable
-
-import numpy as np
 
 from kvswap.backends.base import Backend
 from kvswap.backends.disk import aligned_empty
+from kvswap.backends.host_pool import HostPool, HostPoolBackend, PoolWindow
+from kvswap.backends.host_pool import PoolSlot as Slot
 from kvswap.protocol.errors import Busy, TooLarge
-from kvswap.protocol.units import PAGE_BYTES, round_up_to_page
+from kvswap.protocol.units import round_up_to_page
 
+from .data_threads import data_pool
 from .metrics import Metrics
 from .movers.base import Mover
 
@@ -36,126 +37,109 @@ log = logging.getLogger(__name__)
 
 
 def slot_bytes_for(record_bytes: int) -> int:
-    """Bytes one staging slot takes for a record: whole pages, so every slot starts aligned."""
+    """Bytes one staging slot takes for a record: whole pages, so every slot starts aligned.
+    The host pool sizes its slots by the same rule (``round_up_to_page``; backends cannot import
+    the daemon)."""
     return round_up_to_page(record_bytes)
 
 
-class Slot:
-    """One record's staging. ``view`` is exactly ``record_bytes`` long.
+class StagingPool(PoolWindow):
+    """A standalone staging pool: a window over a pool of its own (no RAM tier). The daemon's
+    :class:`Staging` shares one pool between its windows and the RAM tier instead."""
 
-    A slot is returned to its pool when its last holder releases it: the swap that took it,
-    plus any swap_in that reads a record still being written from it.
-    """
-
-    __slots__ = ("pool", "index", "view", "_refs")
-
-    def __init__(self, pool: "StagingPool", index: int, view: np.ndarray) -> None:
-        self.pool = pool
-        self.index = index
-        self.view = view
-        self._refs = 0
-
-    def retain(self) -> "Slot":
-        with self.pool._lock:
-            self._refs += 1
-        return self
-
-    def release(self) -> None:
-        with self.pool._lock:
-            self._refs -= 1
-            if self._refs == 0:
-                self.pool._free.append(self.index)
-            elif self._refs < 0:
-                raise RuntimeError("staging slot released twice")
-
-
-class StagingPool:
     def __init__(self, record_bytes: int, budget_bytes: int, name: str = "staging") -> None:
-        self.name = name
-        self.record_bytes = record_bytes
-        self.slot_bytes = slot_bytes_for(record_bytes)
-        self.capacity = max(1, budget_bytes // self.slot_bytes)
-        self.arena = aligned_empty(self.capacity * self.slot_bytes)
-        self.arena[::PAGE_BYTES] = 0  # fault every page in now, not during a swap
-        self._slots = [
-            Slot(self, i, self.arena[i * self.slot_bytes : i * self.slot_bytes + record_bytes])
-            for i in range(self.capacity)
-        ]
-        self._free: deque[int] = deque(range(self.capacity))
-        self._lock = threading.Lock()
+        capacity = max(1, budget_bytes // slot_bytes_for(record_bytes))
+        super().__init__(HostPool(record_bytes, capacity), name, capacity)
 
     @property
-    def free(self) -> int:
-        return len(self._free)
-
-    @property
-    def in_use(self) -> int:
-        return self.capacity - len(self._free)
-
-    def try_take(self, count: int) -> list[Slot] | None:
-        """``count`` slots, each held once, or None when fewer are free (all or nothing)."""
-        with self._lock:
-            if count > len(self._free):
-                return None
-            taken = [self._slots[self._free.popleft()] for _ in range(count)]
-            for slot in taken:
-                slot._refs = 1
-        return taken
-
-    def close(self) -> None:
-        self._slots = []
-        self._free.clear()
+    def _slots(self) -> list[Slot]:
+        """Every slot by index (tests pick slots at chosen places in the arena)."""
+        return self.pool._slots
 
 
 class Staging:
-    """The write and read pools for the registered record size.
+    """The write and read windows for the registered record size, over one host pool that
+    also holds the RAM tier's records (see :mod:`kvswap.backends.host_pool`).
 
-    Pools are made (and remade when the record size changes) by :meth:`prepare`, on a thread:
-    allocating and faulting in the arenas takes time. Old pools stay alive until their last
-    slot is released, then go with them. Slots are taken and released on the event loop.
+    The pool is made (and remade when the record size changes) by :meth:`prepare`, on a
+    thread: reserving and faulting in the staging share takes time. Old pools stay alive
+    until their last slot is released, then go with them. Slots are taken and released on
+    the event loop; the RAM-tier share is faulted in on a background thread as it fills.
     """
 
-    def __init__(self, write_bytes: int, read_bytes: int, backends: Iterable[Backend], metrics: Metrics) -> None:
+    def __init__(self, write_bytes: int, read_bytes: int, backends: Iterable[Backend], metrics: Metrics,
+                 ram: HostPoolBackend | None = None, nice: int = 0) -> None:
         self.write_bytes = write_bytes
         self.read_bytes = read_bytes
         self.backends = list(backends)
         self.metrics = metrics
-        self.write: StagingPool | None = None
-        self.read: StagingPool | None = None
+        self.ram = ram
+        self.nice = nice
+        self.pool: HostPool | None = None
+        self.write: PoolWindow | None = None
+        self.read: PoolWindow | None = None
         # Created on first use, on the loop: swap_ins waiting for read slots wait on it.
         self._read_freed: asyncio.Condition | None = None
+        self._grower: ThreadPoolExecutor | None = None
+        self._growing = False
 
     @property
-    def pools(self) -> list[StagingPool]:
+    def pools(self) -> list[PoolWindow]:
         return [p for p in (self.write, self.read) if p is not None]
 
     def prepare(self, record_bytes: int) -> None:
-        """Pools of ``record_bytes`` slots (blocking: run on a thread)."""
-        if self.write is not None and self.write.record_bytes == record_bytes:
+        """A pool of ``record_bytes`` slots (blocking: run on a thread)."""
+        if self.pool is not None and self.pool.record_bytes == record_bytes:
             return
-        write = StagingPool(record_bytes, self.write_bytes, "write")
-        read = StagingPool(record_bytes, self.read_bytes, "read")
-        self._register_with_tiers(write, read)
-        self.write, self.read = write, read
+        slot_bytes = slot_bytes_for(record_bytes)
+        writes = max(1, self.write_bytes // slot_bytes)
+        reads = max(1, self.read_bytes // slot_bytes)
+        cache = self.ram.cache_slots(slot_bytes) if self.ram is not None else 0
+        pool = HostPool(record_bytes, writes + reads, cache)
+        write, read = PoolWindow(pool, "write", writes), PoolWindow(pool, "read", reads)
+        self._register_with_tiers(pool)
+        if self.ram is not None:
+            self.ram.attach(pool)
+        self.pool, self.write, self.read = pool, write, read
         self.metrics.staging_slots.clear()
-        for pool in (write, read):
-            self.metrics.staging_slots.labels(pool=pool.name, state="free").set_function(lambda p=pool: p.free)
-            self.metrics.staging_slots.labels(pool=pool.name, state="used").set_function(lambda p=pool: p.in_use)
+        for window in (write, read):
+            self.metrics.staging_slots.labels(pool=window.name, state="free").set_function(lambda w=window: w.free)
+            self.metrics.staging_slots.labels(pool=window.name, state="used").set_function(lambda w=window: w.in_use)
+
+    def _grow(self) -> None:
+        """Fault in the rest of the pool's RAM-tier share in the background once the free
+        slots run low (on the loop; the faulting itself runs on a low-priority thread)."""
+        pool = self.pool
+        if pool is None or self._growing or not pool.wants_growth():
+            return
+        if self._grower is None:
+            self._grower = data_pool(1, "kvswap-fault", self.nice)
+        self._growing = True
+
+        def done(fut: asyncio.Future) -> None:
+            self._growing = False
+            if fut.exception() is not None:
+                log.error("faulting in the host pool failed: %s", fut.exception())
+
+        asyncio.get_running_loop().run_in_executor(self._grower, pool.grow_all).add_done_callback(done)
+
+    def close(self) -> None:
+        if self._grower is not None:
+            self._grower.shutdown(wait=True)
 
     def pin(self, mover: Mover) -> None:
-        """Page-lock both arenas for a GPU mover now, not on the first swap (blocking)."""
-        for pool in self.pools:
-            mover.pin_host(pool.arena)
+        """Page-lock the pool's arena for a GPU mover now, not on the first swap (blocking)."""
+        if self.pool is not None:
+            mover.pin_host(self.pool.arena)
 
-    def _register_with_tiers(self, *pools: StagingPool) -> None:
-        """Tiers that can transfer straight from registered memory (Mooncake) get the staging
-        arenas, so records move without an extra copy."""
+    def _register_with_tiers(self, pool: HostPool) -> None:
+        """Tiers that can transfer straight from registered memory (Mooncake) get the pool's
+        arena, so records move without an extra copy."""
         for backend in self.backends:
-            for pool in pools:
-                try:
-                    backend.register_buffer(pool.arena)
-                except Exception as exc:  # zero-copy is an optimisation; copying still works
-                    log.warning("cannot register staging with the %s tier: %s", backend.tier, exc)
+            try:
+                backend.register_buffer(pool.arena)
+            except Exception as exc:  # zero-copy is an optimisation; copying still works
+                log.warning("cannot register staging with the %s tier: %s", backend.tier, exc)
 
     # -- slots ----------------------------------------------------------------------------------
 
@@ -172,8 +156,10 @@ class Staging:
             slots = pool.try_take(min(count, pool.free)) or []
         if slots is None:
             self.metrics.write_failures.labels(code="busy").inc(count)
+            self._grow()
             raise Busy("write staging is full; retry after pending writes finish", needed=count, free=pool.free,
                        pending_writes=pending_writes)
+        self._grow()
         return slots
 
     @property
@@ -211,5 +197,10 @@ class Staging:
         return self._read_freed
 
     def stats(self) -> dict[str, Any]:
-        return {f"{pool.name}_staging": {"slots": pool.capacity, "free": pool.free, "slot_bytes": pool.slot_bytes}
-                for pool in self.pools}
+        out: dict[str, Any] = {f"{w.name}_staging": {"slots": w.capacity, "free": w.free, "slot_bytes": w.slot_bytes}
+                               for w in self.pools}
+        if self.pool is not None:
+            out["host_pool"] = {"slots": self.pool.capacity, "faulted": self.pool.faulted,
+                                "available": self.pool.available, "slot_bytes": self.pool.slot_bytes,
+                                "growing": self._growing}
+        return out

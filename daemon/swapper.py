@@ -33,9 +33,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 from kvswap.backends.base import Backend, GetStatus, Store
+from kvswap.backends.host_pool import HostPoolBackend, HostPoolStore
 from kvswap.protocol.errors import KvswapError, NotRegistered, Timeout
 
 from .config import Config
+from .data_threads import data_pool
 from .inflight import InflightTable, InflightWrite
 from .metrics import Metrics
 from .movers.segment import SegmentShrunk
@@ -79,9 +81,12 @@ class Swapper:
         self.backends = backends
         self.locations = locations
         self.metrics = metrics
-        self.staging = Staging(config.write_staging_bytes, config.read_staging_bytes, backends.values(), metrics)
+        ram = backends.get("host")
+        self.staging = Staging(config.write_staging_bytes, config.read_staging_bytes, backends.values(), metrics,
+                               ram if isinstance(ram, HostPoolBackend) else None, config.data_thread_nice)
         self.registrar = Registrar(backends, locations, self.staging, metrics)
-        self.upkeep = Upkeep(backends.values(), self.registrar, config.remote_check_interval_s)
+        self.upkeep = Upkeep(backends.values(), self.registrar, config.remote_check_interval_s,
+                             config.data_thread_nice)
         self.registrar.on_open_store = self.upkeep.start_scan
         self._inflight = InflightTable()
         self._write_tasks: set[asyncio.Task] = set()
@@ -92,10 +97,14 @@ class Swapper:
     # -- lifetime -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._write_pool = ThreadPoolExecutor(self.config.write_threads, thread_name_prefix="kvswap-write")
-        self._read_pool = ThreadPoolExecutor(self.config.read_threads, thread_name_prefix="kvswap-read")
+        nice = self.config.data_thread_nice  # below the loop's priority: see data_threads.py
+        self._write_pool = data_pool(self.config.write_threads, "kvswap-write", nice)
+        self._read_pool = data_pool(self.config.read_threads, "kvswap-read", nice)
         # Gathers and scatters are memory copies; one thread keeps them ordered and off the loop.
-        self._copy_pool = ThreadPoolExecutor(1, thread_name_prefix="kvswap-copy")
+        # The engine waits for the copy ("copied"), not for the writes: it runs between the
+        # loop and the I/O threads (py-spy of one swap_out: the copy thread shared the cores
+        # with the write threads' checksums and system calls).
+        self._copy_pool = data_pool(1, "kvswap-copy", nice // 2)
         self.registrar.start()
         self.upkeep.start()
         self.metrics.watch_stores(lambda: list(self.registrar.open_stores()))
@@ -110,6 +119,7 @@ class Swapper:
             if pool is not None:
                 pool.shutdown(wait=True, cancel_futures=False)
         self.upkeep.stop()
+        self.staging.close()
         self.registrar.close_stores()
         for backend in self.backends.values():
             backend.close()
@@ -284,6 +294,7 @@ class Swapper:
         # and copies overlap); GPU movers want the wave in one call (one upload, one kernel).
         per_record = not registration.mover.batches_scatter
         live = _live(registration, deadline)
+        ram = _ram_first(tiers)
 
         async def load(indices: list[int]) -> None:
             slots: list[Slot] = []
@@ -292,10 +303,18 @@ class Swapper:
                 # from the tiers into read slots, in parallel.
                 sources: dict[int, Slot] = {}
                 to_read = []
+                ram_hits = 0
                 for i in indices:
                     entry = self._inflight.get(registration.namespace, keys[i])
                     if entry is None:
-                        to_read.append(i)
+                        # A RAM hit is scattered straight from its pool slot: one copy.
+                        held = ram.hold(keys[i]) if ram is not None else None
+                        if held is None:
+                            to_read.append(i)
+                        else:
+                            slots.append(held)
+                            sources[i] = held
+                            ram_hits += 1
                         continue
                     slots.append(entry.slot.retain())
                     try:
@@ -305,19 +324,30 @@ class Swapper:
                         pass  # its copy was abandoned: a miss
                 slots_read = await self.staging.take_read(len(to_read))
                 slots.extend(slots_read)
+                # One read thread task per group of records, not per record: every task's end
+                # wakes the loop, and under py-spy those wake-ups were 60% of the GIL held
+                # during cold swap_ins. The groups still keep every read thread busy.
+                pairs = list(zip(to_read, slots_read))
+                groups = [pairs[g::self.config.read_threads] for g in range(min(len(pairs), self.config.read_threads))]
                 # Every read ends before the slots go back, even when one fails: a read thread
                 # must never write into a slot another request has taken.
-                results = await asyncio.gather(*(
-                    self._run(self._read_pool, _read_record, tiers, keys[i], slot.view,
-                              (registration, block_ids[i], live) if per_record else None)
-                    for i, slot in zip(to_read, slots_read)), return_exceptions=True)
-                for result in results:
+                grouped = await asyncio.gather(*(
+                    self._run(self._read_pool, _read_records, tiers,
+                              [(keys[i], slot.view, (registration, block_ids[i], live) if per_record else None)
+                               for i, slot in group])
+                    for group in groups), return_exceptions=True)
+                for result in grouped:
                     if isinstance(result, BaseException):
                         raise result
-                for i, slot, result in zip(to_read, slots_read, results):
+                by_index = {i: result for group, results in zip(groups, grouped)
+                            for (i, _), result in zip(group, results)}
+                for i, slot in pairs:
+                    result = by_index[i]
                     status[i] = result
                     if result == "loaded" and not per_record:
                         sources[i] = slot
+                if ram_hits:
+                    self._count_ram_hits(ram_hits, registration.record_bytes)
                 order = sorted(sources)
                 ok = await self._run(self._copy_pool, _scatter_many, registration, [block_ids[i] for i in order],
                                      [sources[i].view for i in order], live)
@@ -345,6 +375,11 @@ class Swapper:
             self.metrics.blocks.labels(op="swap_in", status=s).inc()
         self.metrics.bytes.labels(direction="in").inc(status.count("loaded") * registration.record_bytes)
         return {"loaded": loaded, "status": status}
+
+    def _count_ram_hits(self, hits: int, record_bytes: int) -> None:
+        """RAM hits served from their slots skip the tiers' read path; count them as it would."""
+        self.metrics.tier_ops.labels(tier="host", op="get", result="hit").inc(hits)
+        self.metrics.tier_bytes.labels(tier="host", direction="read").inc(hits * record_bytes)
 
     # -- lookup, delete, clear, flush ---------------------------------------------------------------
 
@@ -496,11 +531,23 @@ def _write_chunk(tiers: NamespaceTiers, items: list[tuple[str, memoryview]]) -> 
     return outcomes, failures
 
 
+def _ram_first(tiers: NamespaceTiers) -> HostPoolStore | None:
+    """The RAM tier's store when it is the first place swap_in looks (then a hit there may be
+    scattered straight from its slot without changing which copy is served)."""
+    first = tiers.retrieve_from[0] if tiers.retrieve_from else None
+    return first if isinstance(first, HostPoolStore) else None
+
+
 def _scatter_many(registration: Registration, block_ids: list[int], slots: list[Any],
                   live: Callable[[], bool]) -> bool:
     if not block_ids:
         return True
     return registration.mover.scatter_blocks(block_ids, slots, live)
+
+
+def _read_records(tiers: NamespaceTiers, items: list[tuple[str, Any, Any]]) -> list[str]:
+    """Read a group of records on one read thread: ``_read_record`` for each."""
+    return [_read_record(tiers, key, slot, scatter_to) for key, slot, scatter_to in items]
 
 
 def _read_record(tiers: NamespaceTiers, key: str, slot: Any,

@@ -103,14 +103,24 @@ class NamespaceTiers:
         return True
 
     def cached_prefix(self, keys: Sequence[str], inflight: Any) -> int:
-        """Leading keys known present in some retrieve tier from memory alone (no I/O)."""
-        hits = 0
-        for key in keys:
-            if key in inflight or any(s.cached_prefix([key]) for s in self.retrieve_from):
-                hits += 1
-            else:
+        """Leading keys known present in some retrieve tier from memory alone (no I/O).
+
+        It runs on the event loop for every lookup, so each tier is asked for a run of keys
+        at once (one call, one lock) rather than key by key (which was most of the loop's time
+        under a swap_out stream, by py-spy): the runs are joined forward while some tier
+        extends them. Keys a, b, c with a and b in host and c only in file: asked from a, host
+        answers 2; asked from c, host answers 0 and file 1: 3 hits."""
+        pos, total = 0, len(keys)
+        while pos < total:
+            step = 0
+            for store in self.retrieve_from:
+                step = max(step, store.cached_prefix(keys[pos:], inflight))
+                if step == total - pos:
+                    break
+            if step == 0:
                 break
-        return hits
+            pos += step
+        return pos
 
     def prefix(self, keys: Sequence[str], inflight: Any) -> int:
         """Leading keys present in some retrieve tier, asking the tiers (I/O)."""
@@ -224,9 +234,10 @@ def open_backends(config: Any) -> dict[str, Backend]:
 
     backends: dict[str, Backend] = {}
     if config.host_tier_bytes:
-        from kvswap.backends.host_tier import HostBackend
+        from kvswap.backends.host_pool import HostPoolBackend
 
-        backends["host"] = HostBackend(config.host_tier_bytes)
+        # The RAM tier lives in the daemon's host pool, beside staging (one copy on a hit).
+        backends["host"] = HostPoolBackend(config.host_tier_bytes)
     backends["file"] = FileBackend(
         config.storage_dir, fsync=config.fsync, direct_io=config.direct_io,
         capacity=Capacity(config.storage_max_bytes, config.storage_min_free_bytes),

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, TypeVar
 
 from kvswap.backends.base import Backend, Store
 
+from .data_threads import data_pool
 from .registrar import Registrar
 
 log = logging.getLogger(__name__)
@@ -25,8 +26,10 @@ T = TypeVar("T")
 
 
 class Upkeep:
-    def __init__(self, backends: Iterable[Backend], registrar: Registrar, health_interval_s: float) -> None:
+    def __init__(self, backends: Iterable[Backend], registrar: Registrar, health_interval_s: float,
+                 data_thread_nice: int = 0) -> None:
         self.backends = list(backends)
+        self.data_thread_nice = data_thread_nice
         self.registrar = registrar
         self.health_interval_s = health_interval_s
         self._last_health_check = 0.0
@@ -36,7 +39,8 @@ class Upkeep:
 
     def start(self) -> None:
         # Scans and eviction can take seconds on big directories; they get their own thread.
-        self._maintenance_pool = ThreadPoolExecutor(1, thread_name_prefix="kvswap-maintain")
+        # Below the loop's priority, like the other data threads (see data_threads.py).
+        self._maintenance_pool = data_pool(1, "kvswap-maintain", self.data_thread_nice)
         # Remote health probes can block for a connect timeout; they must not hold up eviction.
         self._health_pool = ThreadPoolExecutor(1, thread_name_prefix="kvswap-health")
         self._liveness_pool = ThreadPoolExecutor(1, thread_name_prefix="kvswap-liveness")

@@ -116,9 +116,12 @@ def crash_loop(storage_dir: Path, cycles: int, seed: int = 0, extra_args: tuple[
             daemon.start()
             if all_keys:
                 # The last cycle's keys, where the kill landed, plus a sample of older ones.
-                recent = all_keys[-last_attempted:] + rng.sample(all_keys, min(64, len(all_keys)))
+                # Index arithmetic, not [-n:]: a cycle killed before its first answer has n == 0,
+                # and [-0:] is the whole list (every persisted key ever, most not in `recent`).
+                recent = all_keys[len(all_keys) - last_attempted:] + rng.sample(all_keys, min(64, len(all_keys)))
                 found = verify(daemon.endpoint, cache, recent, report, rng)
-                report.lost_persisted.extend(k for k in all_persisted[-last_persisted:] if k not in found)
+                report.lost_persisted.extend(k for k in all_persisted[len(all_persisted) - last_persisted:]
+                                             if k not in found)
             with Client(daemon.endpoint, timeout=10) as c:
                 c.register(cache)
             stop = threading.Event()

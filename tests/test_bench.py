@@ -14,6 +14,8 @@ EXPECTED = {
     "swap_out copied": "memcpy",
     "swap_out copied, until written": "write",
     "swap_out persisted": "write",
+    "swap_out persisted, RAM tier's first fill": "write",
+    "swap_out copied, one request of 16, idle": "memcpy",
     "swap_in cold": "O_DIRECT read x4",
     "swap_in warm (page cache)": "buffered warm read x4",
     "host layout conversion": "memcpy into slots",
@@ -21,7 +23,8 @@ EXPECTED = {
 }
 UNBASED = ["swap_out copied latency p50", "swap_out copied latency p99", "ping p50 under load",
            "ping p99 under load", "lookup 1000 keys p50 under load", "lookup 1000 keys p99 under load",
-           "blocks streamed meanwhile", "daemon CPU while swapping", "daemon CPU idle"]
+           "blocks streamed meanwhile", "swap_out stream meanwhile", "daemon CPU while swapping", "daemon CPU idle",
+           "swap_in hot, blocks read"]
 
 
 def test_bench_quick_produces_every_field(tmp_path: Path) -> None:
@@ -32,7 +35,7 @@ def test_bench_quick_produces_every_field(tmp_path: Path) -> None:
     data = json.loads(result.stdout)
     assert data["preset"] == "tiny" and data["blocks"] == 64
     results = data["results"]
-    hot = {name for name in results if name.startswith("swap_in hot")}
+    hot = {name for name in results if name.startswith("swap_in hot (")}
     assert hot in ({"swap_in hot (RAM tier)"}, {"swap_in hot (no RAM tier)"}), hot
     assert results[hot.pop()]["baseline"] == "memcpy"
     assert set(results) - {"swap_in hot (RAM tier)", "swap_in hot (no RAM tier)"} == set(EXPECTED) | set(UNBASED)
@@ -51,6 +54,11 @@ def test_bench_quick_produces_every_field(tmp_path: Path) -> None:
     # Counts are integers; a p99 of 30 samples comes with a warning.
     assert results["blocks streamed meanwhile"]["value"] == int(results["blocks streamed meanwhile"]["value"])
     assert isinstance(results["blocks streamed meanwhile"]["value"], int)
+    # Hot reads cover only what the RAM tier holds (--quick: 1 MiB), never more than was written.
+    hot_blocks = results["swap_in hot, blocks read"]["value"]
+    assert isinstance(hot_blocks, int) and 0 < hot_blocks <= data["blocks"]
+    if data["host_tier"]:
+        assert hot_blocks * data["record_bytes"] <= 2**20 or hot_blocks == data["batch"]
     assert results["ping p99 under load"]["samples"] == 30
     assert any("ping p99 under load: only 30 samples" in w for w in data["warnings"])
     assert "CPUs" in data["machine"] and data["fsync"] == "none"

@@ -1,6 +1,7 @@
 """Eviction keeps prefix chains whole (issue 14): the rule as a pure unit (kvswap.backends.chains),
 the file and host stores under it, and a real daemon filled past its cap whose every stored
-record is reachable by a lookup of its chain."""
+record is reachable by a lookup of its chain. The host tier here is the one the daemon runs:
+the RAM tier's records in the host pool (kvswap.backends.host_pool)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from kvswap.backends.chains import ChainOrder
 from kvswap.backends.file_store import Capacity, FileBackend
-from kvswap.backends.host_tier import HostBackend
+from kvswap.backends.host_pool import HostPool, HostPoolBackend
 from kvswap.protocol import CacheLayout, Client, HostKVCache, NoSpace
 from support import DaemonProcess, free_port
 
@@ -153,6 +154,16 @@ def payload(i: int) -> memoryview:
     return memoryview(bytes([i % 256]) * RECORD)
 
 
+def host_store(records: int):
+    """A host-tier store over a pool of ``records`` slots in all (one of them the staging
+    share a pool must have), every slot faulted in; and its backend."""
+    backend = HostPoolBackend(records * 4096)
+    pool = HostPool(RECORD, staging_slots=1, cache_slots=records - 1)
+    pool.grow_all()
+    backend.attach(pool)
+    return backend, backend.open_store(NS, {}, RECORD)
+
+
 def _swap_out(store, keys: list[str]) -> int:
     """What the daemon does for a swap_out: name the chain, then write each new record."""
     store.expect_chain(keys)
@@ -174,7 +185,7 @@ def test_a_chain_longer_than_the_cap_keeps_its_head_and_nothing_else(tmp_path, t
         store = FileBackend(str(tmp_path), capacity=Capacity(max_bytes=10 * (256 + RECORD))).open_store(NS, {}, RECORD)
         store.scan()
     else:
-        store = HostBackend(10 * (256 + RECORD)).open_store(NS, {}, RECORD)
+        _, store = host_store(10)
     keys = [f"long-{i}" for i in range(25)]
     _swap_out(store, keys)
     stored = store.usage()["records"]
@@ -184,14 +195,28 @@ def test_a_chain_longer_than_the_cap_keeps_its_head_and_nothing_else(tmp_path, t
 
 
 def test_a_replaced_host_record_keeps_its_place_in_the_chain():
-    backend = HostBackend(3 * (256 + RECORD))
-    store = backend.open_store(NS, {}, RECORD)
+    backend, store = host_store(3)
     _swap_out(store, ["a", "b", "c"])
     store.put("b", payload(9))  # the same key stored again (a promotion, say): b still follows a
     assert store.stats()["unreachable"] == 0 and backend.problems() == []
     store.put("y", payload(3))
     store.put("z", payload(4))  # room for three: the chain's tail goes, then b, not the head a
     assert [store.contains(k) for k in "abcyz"] == [True, False, False, True, True]
+
+
+def test_a_host_record_stranded_by_a_refusal_on_another_thread_is_dropped():
+    """A swap_out's records are written on several threads: b may be kept before a, and then a
+    is refused (its predecessor x was evicted). b is unreachable; the pool must not keep it."""
+    backend, store = host_store(4)
+    store.put("x", payload(0))
+    store.expect_chain(["x", "a", "b"])
+    store.put("b", payload(2))  # a is still to come: b is kept
+    assert store.contains("b")
+    assert store.delete("x")  # evicted meanwhile
+    with pytest.raises(NoSpace):
+        store.put("a", payload(1))
+    assert not store.contains("b") and store.usage()["records"] == 0
+    assert store.stats()["unreachable"] == 0 and backend.problems() == []
 
 
 def test_a_restart_keeps_the_chain_order_in_the_files_mtimes(tmp_path):
@@ -222,9 +247,12 @@ def big_cache():
         yield c
 
 
-def _fill_under_pressure(c: Client, rng: random.Random) -> list[list[str]]:
+def _fill_under_pressure(c: Client, rng: random.Random, long_step: int | None = None) -> list[list[str]]:
     """Many chains, some extended by later requests, lookups and swap_ins between, then one
-    chain longer than the whole cap. Returns every chain as its last request named it."""
+    chain longer than the whole cap: in one request, or with ``long_step`` as a conversation
+    growing by that many blocks a request (each naming the whole chain so far, ``partial``: the
+    blocks the cap evicted count as new, and more than the write staging would be too large).
+    Returns every chain as its last request named it."""
     chains: list[list[str]] = []
     for n in range(24):
         if chains and rng.random() < 0.3:  # a later turn extends an earlier conversation
@@ -242,7 +270,9 @@ def _fill_under_pressure(c: Client, rng: random.Random) -> list[list[str]]:
             if hits:
                 c.swap_in(old[:hits], list(range(40, 40 + hits)))
     long = [f"long-{i}" for i in range(3 * CAP_RECORDS)]
-    c.swap_out(list(range(len(long))), long, wait="persisted")
+    for end in range(long_step or len(long), len(long) + (long_step or len(long)), long_step or len(long)):
+        keys = long[:end]
+        c.swap_out(list(range(len(keys))), keys, wait="persisted", partial=long_step is not None)
     return chains + [long]
 
 
@@ -252,16 +282,18 @@ def _record_files(root: Path) -> int:
 
 @pytest.mark.parametrize("tier", ["file", "host"])
 def test_every_stored_record_is_reachable_by_a_lookup_of_its_chain(tmp_path, big_cache, tier):
-    record_size = 256 + RECORD_BYTES  # small records carry a 256-byte header, on disk and in RAM
     if tier == "file":
-        # One write thread: with several, a record can be stored by one thread after its
-        # predecessor was refused on another, and stays unreachable until the next eviction
-        # (a known race, in the closing note of issue 14's landing); this test checks the
-        # eviction rule itself.
-        args = ["--storage-max-bytes", str(CAP_RECORDS * record_size), "--write-threads", "1"]
+        # The daemon's default write threads: a record one thread stores after another
+        # thread refused its predecessor must not stay behind, unreachable.
+        record_size = 256 + RECORD_BYTES  # small records carry a 256-byte header on disk
+        args = ["--storage-max-bytes", str(CAP_RECORDS * record_size),
+                "--host-tier-bytes", "0"]
     else:
-        args = ["--host-tier-bytes", str(CAP_RECORDS * record_size), "--store-locations", "host",
-                "--retrieve-locations", "host"]
+        # The host pool holds the RAM tier's records in its staging slots too: the cap is the
+        # whole pool, 10 write + 1 read + 1 RAM-tier slot of 4 KiB (the largest request here
+        # has 10 new blocks; the long chain grows 8 at a time, so it fits the write share).
+        args = ["--write-staging-bytes", str(10 * 4096), "--read-staging-bytes", "4096",
+                "--host-tier-bytes", "4096", "--store-locations", "host", "--retrieve-locations", "host"]
     d = DaemonProcess(tmp_path / "store", free_port(), free_port(), extra_args=args).start()
     try:
         with Client(d.endpoint, timeout=20) as c:
@@ -269,12 +301,14 @@ def test_every_stored_record_is_reachable_by_a_lookup_of_its_chain(tmp_path, big
             if tier == "file":  # the cap is enforced by the evicting daemon, once its scan is done
                 from support import wait_until
                 assert wait_until(lambda: c.stats()["tiers"]["file"]["leader"])
-            chains = _fill_under_pressure(c, random.Random(14))
+            chains = _fill_under_pressure(c, random.Random(14), None if tier == "file" else 8)
             stats = c.stats()["tiers"][tier]
+            if tier == "host":
+                assert stats["pool_slots"] == CAP_RECORDS
             stored = _record_files(tmp_path / "store") if tier == "file" else stats["records"]
             hits = [c.lookup(chain) for chain in chains]
             assert 0 < stored <= CAP_RECORDS
-            assert sum(hits) == stored, f"{stored} records stored, {sum(hits)} reachable: {hits}"
+            assert sum(hits) == stored, f"{stored} records stored, {sum(hits)} reachable: {hits}; {stats}"
             assert hits[-1] >= 1  # the newest chain, longer than the cap, kept its head
             assert stats["unreachable"] == 0
     finally:

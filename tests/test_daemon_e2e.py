@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import msgpack
 import numpy as np
@@ -189,8 +190,18 @@ def test_typed_errors_through_the_client(client: Client, cache: HostKVCache, dae
     assert daemon.metric("kvswap_errors_total", op="swap_out", code="out_of_range") == 1
 
 
-def test_flipped_byte_is_reported_corrupt_and_never_loaded(client: Client, cache: HostKVCache,
+@pytest.fixture
+def file_only(storage_dir: Path) -> Iterator[Client]:
+    """A daemon without RAM tier: what swap_in loads comes from the record files."""
+    d = DaemonProcess(storage_dir, free_port(), free_port(), extra_args=["--host-tier-bytes", "0"]).start()
+    with Client(d.endpoint, timeout=10) as c:
+        yield c
+    assert d.stop() == 0, d.log()
+
+
+def test_flipped_byte_is_reported_corrupt_and_never_loaded(file_only: Client, cache: HostKVCache,
                                                            storage_dir: Path) -> None:
+    client = file_only
     info = client.register(cache)
     client.swap_out([0, 1], ["good", "bad"], wait="persisted")
     path = record_path(storage_dir, info["namespace"], "bad")

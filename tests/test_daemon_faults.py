@@ -61,7 +61,8 @@ def test_swap_in_of_a_key_still_being_written_returns_its_data(tmp_path: Path, c
 
 
 def test_full_disk_is_a_typed_status_and_reads_keep_working(tmp_path: Path, cache: HostKVCache) -> None:
-    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+    # No RAM tier: a record the disk refused must not be found anywhere.
+    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         assert wait_until(lambda: c.stats()["tiers"]["file"]["leader"])  # evicts once its scan is done
         c.swap_out(list(range(10, 20)), [f"old-{i}" for i in range(10)], wait="persisted")
@@ -102,7 +103,8 @@ def test_full_disk_is_a_typed_status_and_reads_keep_working(tmp_path: Path, cach
 
 
 def test_read_errors_are_per_key_statuses(tmp_path: Path, cache: HostKVCache) -> None:
-    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+    # No RAM tier: the reads must reach the failing disk.
+    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         c.swap_out([0, 1], ["r0", "r1"], wait="persisted")
         disk = d.daemon.backend.disk

@@ -70,7 +70,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProce
     """A daemon that has seen every kind of traffic the dashboard charts: stores, loads,
     lookups, a corrupt record, error replies."""
     root = tmp_path_factory.mktemp("live")
-    daemon = DaemonProcess(root / "store", free_port(), free_port()).start()
+    # No RAM tier: the corrupt record below must be loaded from its file.
+    daemon = DaemonProcess(root / "store", free_port(), free_port(), extra_args=["--host-tier-bytes", "0"]).start()
     layout = CacheLayout("dash-model", num_layers=2, num_blocks=16, block_size=4, num_kv_heads=1, head_dim=8)
     keys = [f"d{i}" for i in range(N_BLOCKS)]
     try:

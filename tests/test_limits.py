@@ -119,7 +119,8 @@ def test_shutdown_answers_unfinished_requests_unavailable_and_keeps_their_writes
 
 
 def test_a_slow_read_times_out_with_an_answer_and_never_writes_late(tmp_path: Path, cache: HostKVCache) -> None:
-    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+    # No RAM tier: the read must come from the (slow) disk.
+    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         c.swap_out([1], ["slow"], wait="persisted")
         expected = cache.block_record(1)

@@ -153,6 +153,37 @@ def test_a_fault_outside_the_guard_still_kills(copy_rows, how: str, sig: int, fa
         assert "Fatal Python error: Bus error" in proc.stderr
 
 
+#: A child that imports the helper, then lets another handler replace its guard (as paddle
+#: does at import, and as Python's signal.signal does), then copies over a truncated page.
+REPLACED = r"""
+import mmap, os, signal
+import numpy as np
+from kvswap.daemon.movers._fastcopy import copy_rows
+seen = []
+signal.signal(signal.SIGBUS, lambda signum, frame: seen.append(signum))   # replaces the guard
+fd = os.memfd_create("kvswap-fault")
+os.ftruncate(fd, 1 << 20)
+m = mmap.mmap(fd, 1 << 20)
+v = np.frombuffer(m, np.uint8)
+os.ftruncate(fd, 4096)
+out = np.zeros(16, np.uint8)
+for _ in range(2):
+    print("guarded", copy_rows(np.array([[v.ctypes.data + 8192, out.ctypes.data, 16]], np.uint64)), flush=True)
+os.kill(os.getpid(), signal.SIGBUS)   # not a copy's fault: it reaches the handler set after us
+print("python handler saw", seen, flush=True)
+"""
+
+
+def test_a_handler_installed_after_the_helper_does_not_break_the_guard(copy_rows) -> None:
+    """Before the fix the guarded fault went to the newer handler: paddle's aborts the process,
+    Python's returns into the same fault forever (this child then times out)."""
+    proc = subprocess.run([sys.executable, "-c", REPLACED], check=False, capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["guarded -1", "guarded -1",
+                                        f"python handler saw [{int(signal.SIGBUS)}]"], proc.stdout
+
+
 def test_a_truncate_racing_native_copies_is_a_typed_error(copy_path: str) -> None:  # noqa: F811
     """Gathers and scatters through a SegmentMover while another thread truncates the segment
     at varying moments: every call copies the right bytes or raises SegmentShrunk, and the

@@ -42,8 +42,9 @@ def test_json_reports_registration_tiers_staging_and_work(daemon: DaemonProcess,
     # The metrics port comes from stats, so the metric rates are there without --metrics-url.
     assert report["metrics_url"] == daemon.metrics_url + "/metrics" and report["metrics_error"] is None
     assert rates["source"] == "stats+metrics"
+    # The RAM tier is on by default: it is reported beside the file tier.
     assert {k: rates["deltas"][k] for k in ("stored_records", "stored_bytes")} == {
-        "stored_records": {"file": 0.0}, "stored_bytes": {"file": 0.0}}
+        "stored_records": {"file": 0.0, "host": 0.0}, "stored_bytes": {"file": 0.0, "host": 0.0}}
 
 
 def test_table_is_readable_and_says_what_is_missing(daemon: DaemonProcess, client: Client,
@@ -83,7 +84,7 @@ def test_rates_count_exactly_the_work_between_the_samples(daemon: DaemonProcess,
         report = collect(operator, 1.0, daemon.metrics_url + "/metrics", pause=work)
     deltas = report["rates"]["deltas"]
     assert report["rates"]["source"] == "stats+metrics"
-    assert deltas["stored_records"] == {"file": 4.0}
+    assert deltas["stored_records"] == {"file": 4.0, "host": 4.0}  # the RAM tier is on by default
     assert deltas["bytes"] == {"out": 4.0 * record_bytes, "in": 2.0 * record_bytes}
     assert deltas["swap_out_blocks"] == {"stored": 4.0} and deltas["swap_in_blocks"] == {"loaded": 2.0}
     assert deltas["requests"]["swap_out"] == 1 and deltas["requests"]["swap_in"] == 1

@@ -28,7 +28,9 @@ def dir_bytes(root: Path) -> int:
 def test_a_capped_store_stays_under_its_cap_and_keeps_recent_records(tmp_path: Path) -> None:
     cap = 40 * FILE_BYTES
     store = tmp_path / "store"
-    daemon = DaemonProcess(store, free_port(), free_port(), extra_args=["--storage-max-bytes", str(cap)]).start()
+    # No RAM tier: what the file tier evicted must be gone.
+    daemon = DaemonProcess(store, free_port(), free_port(),
+                           extra_args=["--storage-max-bytes", str(cap), "--host-tier-bytes", "0"]).start()
     try:
         with HostKVCache.create(LAYOUT) as cache, Client(daemon.endpoint, timeout=10) as c:
             cache.fill_random(3)

@@ -97,7 +97,7 @@ def make_hole(kind: str, d: InProcessDaemon, c: Client, root: Path, key: str) ->
 @pytest.mark.parametrize("kind", ["miss", "corrupt", "error"])
 def test_loaded_is_the_leading_run_and_the_hole_is_untouched(tmp_path: Path, cache: HostKVCache, kind: str) -> None:
     root = tmp_path / "s"
-    with InProcessDaemon(root) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(root, host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:  # holes in the file tier
         c.register(cache)
         disk = d.daemon.backend.disk
         read_file = disk.read_file
@@ -131,7 +131,7 @@ def test_loaded_is_the_leading_run_and_the_hole_is_untouched(tmp_path: Path, cac
 
 def test_every_hole_kind_in_one_request(tmp_path: Path, cache: HostKVCache) -> None:
     root = tmp_path / "s"
-    with InProcessDaemon(root) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(root, host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:  # holes in the file tier
         c.register(cache)
         keys = ["h0", "h1", "h2", "h3", "h4"]
         expected = [cache.block_record(b) for b in range(5)]

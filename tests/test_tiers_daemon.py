@@ -108,8 +108,8 @@ def test_remote_killed_mid_run_swaps_go_on_and_it_recovers(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--store-locations", "file,nvme"], "unknown tier 'nvme' in --store-locations; valid: file"),
-    (["--retrieve-locations", "host"], "tier 'host' in --retrieve-locations is not configured"),
+    (["--store-locations", "file,nvme"], "unknown tier 'nvme' in --store-locations; valid: host, file"),
+    (["--host-tier-bytes", "0", "--retrieve-locations", "host"], "tier 'host' in --retrieve-locations is not configured"),
     (["--store-locations", "remote"], "set --remote-url"),
     (["--retrieve-locations", "file,file"], "--retrieve-locations names file more than once"),
     (["--retrieve-locations", " , "], "empty name in location list"),

@@ -7,7 +7,8 @@
  * one Python call per chunk, each retaking the GIL. Here a whole batch is one call, with the GIL
  * released, and a fault inside it becomes a return value.
  *
- * How: a SIGBUS/SIGSEGV handler, installed once at import. Each thread has its own jump buffer and
+ * How: a SIGBUS/SIGSEGV handler, installed at import and taken back before any batch if
+ * something replaced it since. Each thread has its own jump buffer and
  * "in a guarded copy" flag (a synchronous fault is delivered to the thread that faulted, so
  * thread-local state is enough). A fault while the flag is set jumps back to copy_rows, which
  * reports the row. A fault anywhere else is not ours: the handler puts the previous disposition
@@ -30,7 +31,6 @@ static __thread sigjmp_buf fault_jump __attribute__((tls_model("initial-exec")))
 static __thread volatile sig_atomic_t in_guarded_copy __attribute__((tls_model("initial-exec")));
 
 static struct sigaction previous_bus, previous_segv;
-static int handler_installed; /* import runs once per process; never chain to ourselves */
 
 static void on_fault(int sig, siginfo_t *info, void *context) {
     (void)context;
@@ -47,8 +47,13 @@ static void on_fault(int sig, siginfo_t *info, void *context) {
         raise(sig);
 }
 
-static int install_handler(void) {
-    if (handler_installed)
+/* Make on_fault the handler of `sig`, keeping whatever is there now as the one to chain to. A
+ * handler that is already ours is left alone, so we never chain to ourselves. */
+static int take_signal(int sig, struct sigaction *previous) {
+    struct sigaction current;
+    if (sigaction(sig, NULL, &current) != 0)
+        return -1;
+    if ((current.sa_flags & SA_SIGINFO) && current.sa_sigaction == on_fault)
         return 0;
     struct sigaction action;
     memset(&action, 0, sizeof action);
@@ -57,13 +62,19 @@ static int install_handler(void) {
     /* SA_NODEFER: a fault is not blocked while we handle it (we longjmp out of the handler);
      * SA_ONSTACK: use an alternate stack if the thread set one (a stack overflow is still fatal). */
     action.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
-    if (sigaction(SIGBUS, &action, &previous_bus) != 0)
+    return sigaction(sig, &action, previous);
+}
+
+/* Called with the GIL held (at import and before every batch), so two threads never install at
+ * once. Checked per batch, not only at import: a library loaded later (paddle installs its own
+ * fatal-signal handlers; Python's signal.signal does too) replaces ours, and a guarded fault
+ * would then reach a handler that aborts the process or returns into the same fault forever.
+ * Taking the signal back costs two sigaction queries per batch. */
+static int install_handler(void) {
+    if (take_signal(SIGBUS, &previous_bus) != 0)
         return -1;
-    if (sigaction(SIGSEGV, &action, &previous_segv) != 0) {
-        sigaction(SIGBUS, &previous_bus, NULL);
+    if (take_signal(SIGSEGV, &previous_segv) != 0)
         return -1;
-    }
-    handler_installed = 1;
     return 0;
 }
 
@@ -111,6 +122,10 @@ static PyObject *copy_rows(PyObject *self, PyObject *arg) {
                                           "(src, dst, nbytes)");
         return NULL;
     }
+    if (install_handler() != 0) {
+        PyBuffer_Release(&view);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
     const uint64_t *rows = (const uint64_t *)view.buf;
     const Py_ssize_t count = view.len / (Py_ssize_t)(3 * sizeof(uint64_t));
     /* volatile: read after siglongjmp, so it must live in memory, not in a clobbered register. */
@@ -153,7 +168,7 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__fastcopy(void) {
-    /* Installed once, with the GIL held at import: later handlers set by others chain to ours. */
+    /* With the GIL held at import; copy_rows takes the signals back if someone replaces us. */
     if (install_handler() != 0)
         return PyErr_SetFromErrno(PyExc_OSError);
     return PyModule_Create(&module);

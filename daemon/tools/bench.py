@@ -4,7 +4,8 @@ memcpy of the same bytes).
 
 Phases, in order: baselines; swap_out answered at "copied" (a stream, writes overlapping);
 swap_out answered at "persisted"; swap_in hot (the daemon as configured, right after the
-write: its host tier where it has one); swap_in cold (a second daemon on the same directory
+write: its host tier where it has one, and there only the newest batches that fit in it);
+swap_in cold (a second daemon on the same directory
 with no host tier and O_DIRECT reads, so no cache can serve it; or, only with
 ``drop_caches``, buffered reads after dropping the machine's page cache); swap_in warm (a
 third daemon, buffered I/O, no host tier, reading each record a second time: the page cache);
@@ -396,6 +397,21 @@ def run_bench(preset: str = "small", blocks: int = 512, batch: int = 32, storage
                 report = Report(preset, record, blocks, batch, direct, "", fsync, host_tier,
                                 (write_threads, read_threads))
 
+                if host_tier:
+                    fill_gbps = _fill_ram_tier(c, stats, batches, record, tag, say)
+                    report.add("swap_out persisted, RAM tier's first fill", fill_gbps, "GB/s", raw_write, raw.write)
+
+                say("swap_out of one request to an idle daemon, answered when copied")
+                single = []
+                for n in range(5):
+                    ids = batches[0]
+                    t = time.perf_counter()
+                    c.swap_out(ids, [f"i{tag}-{n}-{i}" for i in ids], wait="copied")
+                    single.append(len(ids) * record / (time.perf_counter() - t) / 1e9)
+                    c.flush()
+                report.add(f"swap_out copied, one request of {len(batches[0])}, idle", statistics.median(single),
+                           "GB/s", "memcpy", copy_gbps)
+
                 say("swap_out, answered when copied")
                 keys_a = [f"a{tag}-{i}" for i in range(blocks)]
                 cpu0, t0 = _cpu_seconds(pid), time.perf_counter()
@@ -422,19 +438,26 @@ def run_bench(preset: str = "small", blocks: int = 512, batch: int = 32, storage
                 persisted_s = time.perf_counter() - t0
                 report.add("swap_out persisted", total / persisted_s / 1e9, "GB/s", raw_write, raw.write)
 
-                say("swap_in hot" + (" (host tier)" if host_tier else " (no host tier: from the file tier)"))
-                hot_s = _swap_in_all(c, keys_b, batches)
+                # Hot from RAM means the records RAM holds: where the tier is smaller than the
+                # key set (8b records of 8 MiB against a 3 GiB tier), the newest batches that fit.
+                hot = _ram_resident(batches, record, stats) if host_tier else batches
+                say("swap_in hot" + (f" (host tier, the newest {sum(map(len, hot))} blocks)" if host_tier
+                                     else " (no host tier: from the file tier)"))
+                hot_s = _swap_in_all(c, keys_b, hot)
                 report.add("swap_in hot (RAM tier)" if host_tier else "swap_in hot (no RAM tier)",
-                           total / hot_s / 1e9, "GB/s", "memcpy", copy_gbps)
+                           record * sum(map(len, hot)) / hot_s / 1e9, "GB/s", "memcpy", copy_gbps)
+                report.add("swap_in hot, blocks read", sum(map(len, hot)), "blocks")
 
                 say("ping and lookup latency under a swap_out stream")
-                pings, lookups, streamed = _latency_under_stream(daemon.endpoint, c, keys_a, batches, tag,
-                                                                 latency_samples)
+                pings, lookups, streamed, stream_s = _latency_under_stream(daemon.endpoint, c, keys_a, batches, tag,
+                                                                           latency_samples)
                 for name, samples in (("ping", pings), ("lookup 1000 keys", lookups)):
                     p50, p99 = _quantiles(samples)
                     report.add(f"{name} p50 under load", p50 * 1e3, "ms", samples=len(samples))
                     report.add(f"{name} p99 under load", p99 * 1e3, "ms", samples=len(samples))
                 report.add("blocks streamed meanwhile", streamed, "blocks")
+                # A rate, so runs whose latency phase lasted longer or shorter compare.
+                report.add("swap_out stream meanwhile", streamed * record / stream_s / 1e9, "GB/s")
 
                 say(f"idle CPU over {idle_s:.0f} s")
                 report.add("daemon CPU while swapping", busy_cpu * 100, "% core")
@@ -480,8 +503,52 @@ def run_bench(preset: str = "small", blocks: int = 512, batch: int = 32, storage
             owned_tmp.cleanup()
 
 
+def _ram_resident(batches: list[list[int]], record: int, stats: dict[str, Any]) -> list[list[int]]:
+    """The newest whole batches that fit in the RAM tier (all of them where it holds the set)."""
+    fit = int(stats["tiers"]["host"].get("capacity_bytes") or 0) // record
+    kept: list[list[int]] = []
+    for ids in reversed(batches):
+        if sum(map(len, kept)) + len(ids) > fit:
+            break
+        kept.insert(0, ids)
+    return kept or batches[-1:]
+
+
+def _fill_ram_tier(c: Client, stats: dict[str, Any], batches: list[list[int]], record: int, tag: str,
+                   say: Callable[[str], None]) -> float:
+    """Swap out enough records to fill the RAM tier once, then delete them: the pool faults its
+    RAM-tier share in as records first fill it (once per daemon lifetime), so the measured
+    phases after this see the daemon in its steady state. Returns the fill's GB/s."""
+    capacity = int(stats["tiers"]["host"].get("capacity_bytes") or 0)
+    count = capacity // record + 1  # the staging share was faulted in at registration
+    say(f"filling the RAM tier once: {count} records ({count * record / 2**30:.2f} GiB)")
+    keys: list[str] = []
+    t0 = time.perf_counter()
+    n = 0
+
+    def faulted_in() -> bool:  # daemons with a host pool say how much of it is faulted in
+        pool = c.stats().get("host_pool")
+        return pool is None or pool["faulted"] >= pool["slots"]
+
+    # Fill once; where the pool is still faulting in the background, keep going (up to 3x).
+    while len(keys) < count or (len(keys) < 3 * count and not faulted_in()):
+        ids = batches[n % len(batches)]
+        batch_keys = [f"f{tag}-{n}-{i}" for i in ids]
+        _retry_busy(lambda: c.swap_out(ids, batch_keys, wait="copied"))
+        keys += batch_keys
+        n += 1
+    c.flush()
+    fill_s = time.perf_counter() - t0
+    waited = time.monotonic() + 120
+    while (c.stats().get("host_pool") or {}).get("growing") and time.monotonic() < waited:
+        time.sleep(0.2)  # the rest of the pool is faulting in on its own; let it finish
+    for start in range(0, len(keys), 1000):
+        c.delete(keys[start:start + 1000])
+    return len(keys) * record / fill_s / 1e9
+
+
 def _latency_under_stream(endpoint: str, c: Client, keys: list[str], batches: list[list[int]], tag: str,
-                          samples: int) -> tuple[list[float], list[float], int]:
+                          samples: int) -> tuple[list[float], list[float], int, float]:
     stop = threading.Event()
     streamed = [0]
 
@@ -499,6 +566,7 @@ def _latency_under_stream(endpoint: str, c: Client, keys: list[str], batches: li
 
     streamer = threading.Thread(target=stream, daemon=True)
     streamer.start()
+    t0 = time.perf_counter()
     try:
         lookup_keys = (keys * (1000 // len(keys) + 1))[:1000]
         pings, lookups = [], []
@@ -510,10 +578,11 @@ def _latency_under_stream(endpoint: str, c: Client, keys: list[str], batches: li
             c.lookup(lookup_keys)
             lookups.append(time.perf_counter() - t)
     finally:
+        elapsed = time.perf_counter() - t0
         stop.set()
         streamer.join(120)
     c.flush()
-    return pings, lookups, streamed[0]
+    return pings, lookups, streamed[0], elapsed
 
 
 #: Rows the block-size sweep plots: (result name or baseline key, style, legend label).

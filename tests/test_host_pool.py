@@ -1,0 +1,236 @@
+"""The host pool: staging slots and the RAM tier in one arena, with reference counts.
+
+Units on the pool itself (byte literals, counts, an invariant check after random operations)
+and a real daemon showing the RAM tier serving from the slot a swap_out gathered into."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvswap.backends.host_pool import HostPool, HostPoolBackend, PoolWindow
+from kvswap.protocol import Client, HostKVCache
+from kvswap.protocol.errors import NoSpace
+from support import DaemonProcess, free_port
+
+NS = "00" * 16
+
+
+def fill(slot, byte: int) -> None:
+    slot.view[:] = byte
+
+
+def test_slots_are_aligned_faulted_and_taken_all_or_nothing() -> None:
+    pool = HostPool(5000, staging_slots=3, cache_slots=0)
+    assert pool.slot_bytes == 8192 and pool.faulted == 3
+    slots = pool.take(2)
+    assert [s.view.ctypes.data % 4096 for s in slots] == [0, 0]
+    assert all(s.view.nbytes == 5000 for s in slots)
+    assert pool.take(2) is None  # one left: all or nothing
+    assert pool.available == 1
+    slots[0].release()
+    assert pool.available == 2
+    with pytest.raises(RuntimeError):
+        slots[0].release()
+    assert pool.problems() == []
+
+
+def test_a_kept_slot_is_the_ram_copy_until_a_take_needs_it() -> None:
+    pool = HostPool(4096, staging_slots=2, cache_slots=0)
+    a, b = pool.take(2)
+    fill(a, 0xA1)
+    fill(b, 0xB2)
+    pool.keep(a, NS, "ka")
+    pool.keep(b, NS, "kb")
+    a.release()
+    b.release()
+    assert pool.records[NS] == 2 and pool.available == 2
+    hit = pool.find(NS, "ka")  # ka is now the most recently used
+    assert hit is a and bytes(hit.view[:2]) == b"\xa1\xa1"
+    hit.release()
+    (c,) = pool.take(1)  # evicts the least recently used: kb
+    assert c is b and not pool.contains(NS, "kb") and pool.contains(NS, "ka")
+    assert pool.evicted[NS] == 1 and pool.records[NS] == 1
+    c.release()
+    assert pool.problems() == []
+
+
+def test_a_held_record_is_never_evicted() -> None:
+    pool = HostPool(4096, staging_slots=1, cache_slots=0)
+    (a,) = pool.take(1)
+    pool.keep(a, NS, "k")
+    a.release()
+    reader = pool.find(NS, "k")
+    assert reader is a
+    assert pool.take(1) is None  # the only slot is held by a reader
+    reader.release()
+    assert pool.take(1) == [a] and not pool.contains(NS, "k")
+
+
+def test_windows_bound_their_share_until_the_last_holder_lets_go() -> None:
+    pool = HostPool(4096, staging_slots=4, cache_slots=0)
+    write = PoolWindow(pool, "write", 2)
+    slots = write.try_take(2)
+    assert slots is not None and write.in_use == 2 and write.free == 0
+    assert write.try_take(1) is None  # the pool has room, the window has not
+    pool.keep(slots[0], NS, "k")
+    reader = slots[0].retain()  # a swap_in reading a record still being written
+    slots[0].release()
+    assert write.in_use == 2
+    reader.release()
+    assert write.in_use == 1  # back as a cached record, no longer the window's
+    assert pool.contains(NS, "k")
+
+
+def test_growth_faults_the_ram_share_only_when_asked() -> None:
+    pool = HostPool(4096, staging_slots=4, cache_slots=100)
+    assert pool.faulted == 4 and pool.capacity == 104
+    assert not pool.wants_growth()  # free slots are plenty
+    held = pool.take(4)
+    assert pool.wants_growth()
+    assert pool.grow(64) == 64 and pool.faulted == 68
+    assert pool.grow(16) == 16 and pool.grow_all() == 20 and pool.grow(64) == 0
+    for s in held:
+        s.release()
+    assert pool.available == 104 and pool.problems() == []
+
+
+def test_put_of_a_pool_slot_keeps_it_in_place_and_a_copy_otherwise() -> None:
+    backend = HostPoolBackend(3 * 4096)
+    pool = HostPool(4096, staging_slots=2, cache_slots=backend.cache_slots(4096))
+    backend.attach(pool)
+    store = backend.open_store(NS, {}, 4096)
+    (gathered,) = pool.take(1)
+    fill(gathered, 7)
+    store.put("a", memoryview(gathered.view))  # what the write thread passes
+    gathered.release()
+    slot = store.hold("a")
+    assert slot is gathered  # zero copy: the RAM copy is the gathered slot
+    slot.release()
+    store.put("b", memoryview(bytes([9]) * 4096))  # not a slot: copied into one
+    out = bytearray(4096)
+    assert store.get_into("b", memoryview(out)).value == "loaded" and out == bytes([9]) * 4096
+    assert store.get_into("c", memoryview(out)).value == "miss"
+    assert store.stats()["hits"] == 2 and store.stats()["misses"] == 1
+    assert store.usage() == {"records": 2, "bytes": 8192}
+    assert store.cached_prefix(["a", "b", "c"]) == 2 and store.cached_prefix(["c"], {"c"}) == 1
+    assert store.delete("a") and not store.contains("a")
+    assert store.clear() == 1 and store.usage()["records"] == 0
+    other = backend.open_store("11" * 16, {}, 8192)  # another record size: not this pool's
+    with pytest.raises(NoSpace):
+        other.put("x", memoryview(bytes(8192)))
+    assert pool.problems() == []
+
+
+def test_random_operations_keep_the_pool_consistent() -> None:
+    rng = random.Random(3)
+    pool = HostPool(4096, staging_slots=6, cache_slots=10)
+    window = PoolWindow(pool, "write", 4)
+    held: list = []
+    for step in range(3000):
+        op = rng.randrange(7)
+        if op == 0:
+            slots = window.try_take(rng.randint(1, 3)) if rng.random() < 0.5 else pool.take(rng.randint(1, 3))
+            held.extend(slots or [])
+        elif op == 1 and held:
+            held.pop(rng.randrange(len(held))).release()
+        elif op == 2 and held:
+            pool.keep(rng.choice(held), NS, f"k{rng.randrange(12)}")
+        elif op == 3:
+            slot = pool.find(NS, f"k{rng.randrange(12)}")
+            if slot is not None:
+                held.append(slot)
+        elif op == 4 and held:
+            held.append(rng.choice(held).retain())
+        elif op == 5:
+            pool.drop(NS, f"k{rng.randrange(12)}")
+        elif op == 6:
+            pool.grow(rng.randint(0, 3))
+        assert pool.problems() == [], step
+        assert 0 <= window.in_use <= window.capacity
+    for slot in held:
+        slot.release()
+    assert pool.available == pool.faulted and window.in_use == 0
+
+
+def test_daemon_serves_a_ram_hit_from_the_pool_without_the_file(tmp_path: Path, cache: HostKVCache) -> None:
+    """With the RAM tier on by default, a record whose file is gone is still served, from
+    the slot swap_out gathered into; with --host-tier-bytes 0 the same swap_in misses."""
+    for ram in (True, False):
+        store = tmp_path / f"store-{ram}"
+        args = [] if ram else ["--host-tier-bytes", "0"]
+        daemon = DaemonProcess(store, free_port(), free_port(), extra_args=args).start()
+        try:
+            with Client(daemon.endpoint, timeout=10) as c:
+                c.register(cache)
+                expected = [cache.block_record(i) for i in range(4)]
+                keys = [f"r{i}" for i in range(4)]
+                assert c.swap_out([0, 1, 2, 3], keys, wait="persisted").stored == 4
+                for f in store.rglob("*.kvr"):
+                    f.unlink()
+                cache.fill_random(seed=99)
+                result = c.swap_in(keys, [4, 5, 6, 7])
+                stats = c.stats()
+                if ram:
+                    assert result.loaded == 4
+                    assert [cache.block_record(i) for i in (4, 5, 6, 7)] == expected
+                    assert stats["tiers"]["host"]["hits"] == 4
+                    assert daemon.metric("kvswap_tier_ops_total", tier="host", op="get", result="hit") == 4
+                else:
+                    assert result.loaded == 0 and "host" not in stats["tiers"]
+                cache.fill_random(seed=1)
+        finally:
+            assert daemon.stop() == 0, daemon.log()
+
+
+def test_a_ram_hit_is_scattered_from_its_slot_not_copied_through_the_store(tmp_path: Path, cache: HostKVCache,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-copy path: swap_in takes RAM hits straight from their slots. The store's
+    copying read (get_into) is made to fail, so a hit that went through it would error."""
+    from kvswap.backends.host_pool import HostPoolStore
+    from support import InProcessDaemon
+
+    with InProcessDaemon(tmp_path / "s", host_tier_bytes=1 << 20) as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        expected = [cache.block_record(i) for i in range(3)]
+        assert c.swap_out([0, 1, 2], ["h0", "h1", "h2"], wait="persisted").stored == 3
+
+        def no_copy(self, key, out):
+            raise AssertionError("a RAM hit was copied through the store")
+
+        monkeypatch.setattr(HostPoolStore, "get_into", no_copy)
+        cache.zero_blocks([5, 6, 7])
+        assert c.swap_in(["h0", "h1", "h2"], [5, 6, 7]).loaded == 3
+        assert [cache.block_record(i) for i in (5, 6, 7)] == expected
+        pool = d.daemon.swapper.staging.pool
+        assert pool.problems() == [] and pool.records[c.stats()["registration"]["namespace"]] == 3
+
+
+def test_lookup_prefix_joins_the_tiers_runs(tmp_path: Path) -> None:
+    """NamespaceTiers.cached_prefix asks each tier for a run of keys at once; a key counts
+    when any tier (or an in-flight write) has it, and the prefix stops at the first gap."""
+    from kvswap.backends.file_store import FileBackend
+    from kvswap.daemon.metrics import Metrics
+    from kvswap.daemon.tiers import Locations, NamespaceTiers
+
+    ram = HostPoolBackend(8 * 4096)
+    pool = HostPool(4096, staging_slots=2, cache_slots=ram.cache_slots(4096))
+    pool.grow(8)  # the daemon's staging grows the pool as it fills; here, by hand
+    ram.attach(pool)
+    host = ram.open_store(NS, {}, 4096)
+    file = FileBackend(str(tmp_path / "files")).open_store(NS, {"t": 1}, 4096)
+    payload = memoryview(bytes(4096))
+    for key in ("a", "c", "e"):
+        host.put(key, payload)
+    for key in ("b", "c"):
+        file.put(key, payload)
+    tiers = NamespaceTiers({"host": host, "file": file}, Locations(("host", "file"), ("host", "file"), True),
+                           Metrics())
+    keys = ["a", "b", "c", "d", "e"]
+    assert tiers.cached_prefix(keys, {}) == 3
+    assert tiers.cached_prefix(keys, {"d": None}) == 5
+    assert tiers.cached_prefix(["d", "a"], {}) == 0
+    assert tiers.cached_prefix([], {}) == 0
