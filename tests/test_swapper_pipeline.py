@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from support import INSTALLED_BY_TEST_SETUP, InProcessDaemon, wait_until
 
 from kvswap.backends import record
 from kvswap.backends.file_store import FileBackend
@@ -21,8 +22,6 @@ from kvswap.daemon.swapper import Deadline
 from kvswap.protocol import Client, HostKVCache, InvalidLayout, NotRegistered, Timeout
 from kvswap.protocol import messages as m
 from kvswap.protocol.errors import IOFailure
-
-from support import INSTALLED_BY_TEST_SETUP, InProcessDaemon, wait_until
 
 
 def metric(d: InProcessDaemon, name: str, **labels: str) -> float:
@@ -38,7 +37,7 @@ class GatedWrites:
         self.started = threading.Semaphore(0)
         disk.write_file = self
 
-    def __enter__(self) -> "GatedWrites":
+    def __enter__(self) -> GatedWrites:
         return self
 
     def __exit__(self, *exc: object) -> None:
