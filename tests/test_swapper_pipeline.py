@@ -583,3 +583,19 @@ def test_upkeep_evicts_what_other_writers_stored_past_the_cap(tmp_path: Path, ca
         # The daemon's background pass rescans, sees 12 records, and evicts down to the low watermark.
         assert wait_until(lambda: c.stats()["tiers"]["file"].get("evicted_capacity", 0) >= 4, 10)
         assert c.stats()["tiers"]["file"]["records"] <= 8
+
+
+def test_ram_hits_are_scattered_from_their_slots_and_counted_as_host_reads(tmp_path: Path, cache: HostKVCache) -> None:
+    record_bytes = cache.layout.record_bytes
+    with InProcessDaemon(tmp_path / "s", host_tier_bytes=1 << 22) as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        assert c.swap_out([0, 1, 2], ["a", "b", "c"], wait="persisted").stored == 3
+        hits = metric(d, "kvswap_tier_ops_total", tier="host", op="get", result="hit")
+        read = metric(d, "kvswap_tier_bytes_total", tier="host", direction="read")
+        cache.zero_blocks([10, 11, 12])
+        result = c.swap_in(["a", "b", "c"], [10, 11, 12])
+        assert (result.loaded, result.status) == (3, ["loaded"] * 3)
+        assert [cache.block_record(b) for b in (10, 11, 12)] == [cache.block_record(b) for b in (0, 1, 2)]
+        assert metric(d, "kvswap_tier_ops_total", tier="host", op="get", result="hit") - hits == 3
+        assert metric(d, "kvswap_tier_bytes_total", tier="host", direction="read") - read == 3 * record_bytes
+        assert metric(d, "kvswap_tier_ops_total", tier="file", op="get", result="hit") == 0  # none read from disk
