@@ -592,8 +592,11 @@ def test_ram_hits_are_scattered_from_their_slots_and_counted_as_host_reads(tmp_p
         assert c.swap_out([0, 1, 2], ["a", "b", "c"], wait="persisted").stored == 3
         hits = metric(d, "kvswap_tier_ops_total", tier="host", op="get", result="hit")
         read = metric(d, "kvswap_tier_bytes_total", tier="host", direction="read")
+        scatter = RecordingScatter(d.daemon.swapper.registration.mover, batches=False)
         cache.zero_blocks([10, 11, 12])
         result = c.swap_in(["a", "b", "c"], [10, 11, 12])
+        # Straight from the pool's slots, in one scatter (not one per record from read slots).
+        assert scatter.calls == [[10, 11, 12]]
         assert (result.loaded, result.status) == (3, ["loaded"] * 3)
         assert [cache.block_record(b) for b in (10, 11, 12)] == [cache.block_record(b) for b in (0, 1, 2)]
         assert metric(d, "kvswap_tier_ops_total", tier="host", op="get", result="hit") - hits == 3
