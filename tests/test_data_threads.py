@@ -37,14 +37,18 @@ def test_daemon_data_threads_run_below_the_loop(tmp_path: Path, cache: HostKVCac
             assert c.swap_out(list(range(8)), keys, wait="persisted").stored == 8
             assert c.swap_in(keys, list(range(8))).loaded == 8
             nices = thread_nices(daemon.proc.pid)
-            assert nices[daemon.proc.pid] == 0  # the main thread runs the loop
-            lowered = [tid for tid, n in nices.items() if n > 0 and tid != daemon.proc.pid]
+            # Relative to the loop's thread: the daemon inherits whatever nice value the test
+            # runner has (a CI job may itself run niced), and data threads go below that.
+            base = nices[daemon.proc.pid]  # the main thread runs the loop
+            assert base == os.getpriority(os.PRIO_PROCESS, os.getpid())
+            lowered = [tid for tid, n in nices.items() if n > base and tid != daemon.proc.pid]
             # the copy thread and at least one write and one read thread have run by now (the
             # upkeep thread only after its first interval); the I/O threads at the nice value
             # asked for, the copy thread (which the engine waits on) halfway to the loop
-            assert (len(lowered) >= 3) if nice else all(n == 0 for n in nices.values()), nices
-            assert set(nices.values()) <= {0, nice // 2, nice}, nices
-            assert not nice or nice in nices.values(), nices
+            assert (len(lowered) >= 3) if nice and base < 19 else all(n == base for n in nices.values()), nices
+            below = {base, min(19, base + nice // 2), min(19, base + nice)}
+            assert set(nices.values()) <= below, nices
+            assert not nice or min(19, base + nice) in nices.values(), nices
     finally:
         assert daemon.stop() == 0, daemon.log()
 
