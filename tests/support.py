@@ -161,3 +161,25 @@ class InProcessDaemon:
         assert not self._thread.is_alive(), "daemon did not stop"
         if self.error is not None:
             raise self.error
+
+
+class GatedWrites:
+    """Wraps Disk.write_file so writes wait until the test opens the gate."""
+
+    def __init__(self, disk) -> None:
+        self.disk = disk
+        self.original = disk.write_file
+        self.gate = threading.Event()
+        self.started = threading.Semaphore(0)
+        disk.write_file = self
+
+    def __enter__(self) -> "GatedWrites":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.gate.set()  # a held write must not outlive a failed test (the daemon waits for it)
+
+    def __call__(self, *args, **kwargs):
+        self.started.release()
+        assert self.gate.wait(30), "test never opened the write gate"
+        return self.original(*args, **kwargs)

@@ -4,7 +4,6 @@ real client over a real socket."""
 from __future__ import annotations
 
 import errno
-import threading
 from pathlib import Path
 
 import pytest
@@ -12,29 +11,7 @@ import pytest
 from kvswap.backends.file_store import record_name
 from kvswap.protocol import Busy, Client, HostKVCache, Timeout
 
-from support import InProcessDaemon, wait_until
-
-
-class GatedWrites:
-    """Wraps Disk.write_file so writes wait until the test opens the gate."""
-
-    def __init__(self, disk) -> None:
-        self.disk = disk
-        self.original = disk.write_file
-        self.gate = threading.Event()
-        self.started = threading.Semaphore(0)
-        disk.write_file = self
-
-    def __enter__(self) -> "GatedWrites":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.gate.set()  # a held write must not outlive a failed test (the daemon waits for it)
-
-    def __call__(self, *args, **kwargs):
-        self.started.release()
-        assert self.gate.wait(30), "test never opened the write gate"
-        return self.original(*args, **kwargs)
+from support import GatedWrites, InProcessDaemon, wait_until
 
 
 def test_swap_in_of_a_key_still_being_written_returns_its_data(tmp_path: Path, cache: HostKVCache) -> None:

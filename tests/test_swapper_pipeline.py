@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from support import INSTALLED_BY_TEST_SETUP, InProcessDaemon, wait_until
+from support import INSTALLED_BY_TEST_SETUP, GatedWrites, InProcessDaemon, wait_until
 
 from kvswap.backends import record
 from kvswap.backends.file_store import FileBackend
@@ -26,27 +26,6 @@ from kvswap.protocol.errors import IOFailure
 
 def metric(d: InProcessDaemon, name: str, **labels: str) -> float:
     return d.daemon.metrics.registry.get_sample_value(name, labels) or 0.0
-
-
-class GatedWrites:
-    """Disk.write_file that waits until the test opens the gate."""
-
-    def __init__(self, disk) -> None:
-        self.original = disk.write_file
-        self.gate = threading.Event()
-        self.started = threading.Semaphore(0)
-        disk.write_file = self
-
-    def __enter__(self) -> GatedWrites:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.gate.set()  # a held write must not outlive a failed test (the daemon waits for it)
-
-    def __call__(self, *args, **kwargs):
-        self.started.release()
-        assert self.gate.wait(30), "test never opened the write gate"
-        return self.original(*args, **kwargs)
 
 
 def test_swap_out_answers_every_key_and_counts_blocks_and_bytes(tmp_path: Path, cache: HostKVCache) -> None:
