@@ -21,13 +21,13 @@ import shutil
 import statistics
 import subprocess
 import tempfile
-import threading
 import time
 from collections import Counter
 
+from kvswap.daemon.tools.bench import SwapOutStream
 from kvswap.daemon.tools.local_daemon import LocalDaemon
 from kvswap.daemon.tools.presets import PRESETS, preset_layout
-from kvswap.protocol import Client, HostKVCache, KvswapError
+from kvswap.protocol import Client, HostKVCache
 
 
 def quantiles(samples: list[float]) -> tuple[float, float, int]:
@@ -97,23 +97,9 @@ def run_variant(name: str, spec: str, layout_name: str, blocks: int, samples: in
                 c.swap_out(list(range(s, min(s + 32, blocks))), keys[s:s + 32], wait="persisted")
             lookup_keys = (keys * (1000 // blocks + 1))[:1000]
             idle = measure(daemon.endpoint, lookup_keys, samples // 2)
-            stop = threading.Event()
-            streamed = [0]
-
-            def stream() -> None:
-                with Client(daemon.endpoint, timeout=60) as s:
-                    n = 0
-                    while not stop.is_set():
-                        ids = list(range((n * 32) % blocks, min((n * 32) % blocks + 32, blocks)))
-                        try:
-                            s.swap_out(ids, [f"s-{n}-{i}" for i in ids], wait="copied")
-                            streamed[0] += len(ids)
-                        except KvswapError:
-                            time.sleep(0.002)
-                        n += 1
-
-            streamer = threading.Thread(target=stream, daemon=True)
-            streamer.start()
+            # The same load as `kvswap bench`'s latency phase: 32-block swap_outs, "copied".
+            stream = SwapOutStream(daemon.endpoint, [list(range(s, min(s + 32, blocks))) for s in range(0, blocks, 32)],
+                                   "s").start()
             spy = None
             if spy_dir:
                 raw = os.path.join(spy_dir, f"{name}.folded")
@@ -127,15 +113,14 @@ def run_variant(name: str, spec: str, layout_name: str, blocks: int, samples: in
                 if spy is not None:
                     spy.send_signal(2)
                     spy.wait(30)
-                stop.set()
-                streamer.join(60)
+                stream.stop()
             elapsed = time.perf_counter() - t0
             c.flush()
             c.clear()
     finally:
         daemon.stop()
     return {"name": name, "idle": idle, "loaded": loaded,
-            "stream_gbps": streamed[0] * layout.record_bytes / elapsed / 1e9,
+            "stream_gbps": stream.blocks * layout.record_bytes / elapsed / 1e9,
             "spy": os.path.join(spy_dir, f"{name}.folded") if spy_dir else None}
 
 

@@ -547,25 +547,41 @@ def _fill_ram_tier(c: Client, stats: dict[str, Any], batches: list[list[int]], r
     return len(keys) * record / fill_s / 1e9
 
 
-def _latency_under_stream(endpoint: str, c: Client, keys: list[str], batches: list[list[int]], tag: str,
-                          samples: int) -> tuple[list[float], list[float], int, float]:
-    stop = threading.Event()
-    streamed = [0]
+class SwapOutStream:
+    """A client on its own thread that keeps swap_outs (answered "copied") going over
+    ``batches`` until stopped: the load the latency measurements run under. A busy daemon is
+    retried after a short pause. ``blocks`` counts the blocks it got accepted."""
 
-    def stream() -> None:
-        with Client(endpoint, timeout=60) as s:
+    def __init__(self, endpoint: str, batches: list[list[int]], prefix: str) -> None:
+        self.endpoint, self.batches, self.prefix = endpoint, batches, prefix
+        self.blocks = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> "SwapOutStream":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(120)
+
+    def _run(self) -> None:
+        with Client(self.endpoint, timeout=60) as s:
             n = 0
-            while not stop.is_set():
-                ids = batches[n % len(batches)]
+            while not self._stop.is_set():
+                ids = self.batches[n % len(self.batches)]
                 try:
-                    s.swap_out(ids, [f"s{tag}-{n}-{i}" for i in ids], wait="copied")
-                    streamed[0] += len(ids)
+                    s.swap_out(ids, [f"{self.prefix}-{n}-{i}" for i in ids], wait="copied")
+                    self.blocks += len(ids)
                 except KvswapError:
                     time.sleep(0.002)
                 n += 1
 
-    streamer = threading.Thread(target=stream, daemon=True)
-    streamer.start()
+
+def _latency_under_stream(endpoint: str, c: Client, keys: list[str], batches: list[list[int]], tag: str,
+                          samples: int) -> tuple[list[float], list[float], int, float]:
+    stream = SwapOutStream(endpoint, batches, f"s{tag}").start()
     t0 = time.perf_counter()
     try:
         lookup_keys = (keys * (1000 // len(keys) + 1))[:1000]
@@ -579,10 +595,9 @@ def _latency_under_stream(endpoint: str, c: Client, keys: list[str], batches: li
             lookups.append(time.perf_counter() - t)
     finally:
         elapsed = time.perf_counter() - t0
-        stop.set()
-        streamer.join(120)
+        stream.stop()
     c.flush()
-    return pings, lookups, streamed[0], elapsed
+    return pings, lookups, stream.blocks, elapsed
 
 
 #: Rows the block-size sweep plots: (result name or baseline key, style, legend label).
