@@ -185,11 +185,7 @@ def raw_parallel_io(directory: str, nbytes: int, record_bytes: int, write_thread
         return time.perf_counter() - t
 
     try:
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o600)
-        except OSError:
-            direct = False
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd, direct = _create_for_write(path, direct)
         write_s = run(fd, write_threads, os.pwritev, fsync != "none")
         os.close(fd)
         cold_s = 0.0
@@ -216,6 +212,17 @@ def raw_parallel_io(directory: str, nbytes: int, record_bytes: int, write_thread
                  cold_method)
 
 
+def _create_for_write(path: str, direct: bool) -> tuple[int, bool]:
+    """Create ``path`` for the raw write baseline, with O_DIRECT where ``direct`` and the file
+    system takes it; returns the descriptor and whether it is direct."""
+    if direct:
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o600), True
+        except OSError:
+            pass
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), False
+
+
 def raw_sequential_gbps(directory: str, nbytes: int) -> tuple[float, float, bool]:
     """Single-threaded O_DIRECT sequential write then read of ``nbytes`` in 4 MiB requests
     (buffered where O_DIRECT is refused; then the read may come from the page cache).
@@ -226,11 +233,7 @@ def raw_sequential_gbps(directory: str, nbytes: int) -> tuple[float, float, bool
     path = os.path.join(directory, f".bench-raw-{os.getpid()}")
     direct = bool(_O_DIRECT)
     try:
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o600)
-        except OSError:
-            direct = False
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd, direct = _create_for_write(path, direct)
         t = time.perf_counter()
         for off in range(0, nbytes, CHUNK):
             os.pwritev(fd, [buf], off)
