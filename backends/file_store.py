@@ -151,6 +151,11 @@ class FileStore(Store):
         self._dirs_made: set[str] = set()
         self._admission = threading.Lock()
         self._lock_fd: int | None = None
+        #: Set by :meth:`close`; a closed store never takes the eviction lock (a scan or a
+        #: maintenance pass that was under way when it closed would keep it, and its
+        #: descriptor, for good: issue 22). ``_lead_lock`` orders the two.
+        self._closed = False
+        self._lead_lock = threading.Lock()
         self._last_rescan = 0.0
         self._prepare(description)
 
@@ -363,7 +368,11 @@ class FileStore(Store):
         return {"records": len(self.index), "bytes": self.index.bytes}
 
     def close(self) -> None:
-        self.release_lead()
+        """Give up the eviction lock for good. Writes and reads still in flight finish; a scan
+        under way stops at its next record."""
+        with self._lead_lock:
+            self._closed = True
+            self._release_lead()
 
     def _discard(self, name: str, path: str) -> None:
         """Remove a bad record; if even that fails, it is still never served (the check fails
@@ -381,20 +390,34 @@ class FileStore(Store):
         return self._lock_fd is not None
 
     def try_lead(self) -> bool:
-        """Become the namespace's evicting daemon if nobody holds ``evict.lock``."""
+        """Become the namespace's evicting daemon if nobody holds ``evict.lock`` (never once
+        the store is closed)."""
         if self._lock_fd is not None:
             return True
-        fd = try_flock(os.path.join(self.dir, LOCK_NAME))
-        if fd is None:
-            return False
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{self.backend._writer_tag}\n".encode())
-        self._lock_fd = fd
+        with self._lead_lock:
+            if self._closed:
+                return False
+            if self._lock_fd is not None:
+                return True
+            fd = try_flock(os.path.join(self.dir, LOCK_NAME))
+            if fd is None:
+                return False
+            try:
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{self.backend._writer_tag}\n".encode())
+            except OSError:
+                os.close(fd)
+                return False
+            self._lock_fd = fd
         self._count("leader_elections", 1)
         log.info("this daemon now evicts for namespace %s", self.namespace)
         return True
 
     def release_lead(self) -> None:
+        with self._lead_lock:
+            self._release_lead()
+
+    def _release_lead(self) -> None:
         if self._lock_fd is not None:
             fd, self._lock_fd = self._lock_fd, None
             os.close(fd)  # closing drops the flock
@@ -450,10 +473,16 @@ class FileStore(Store):
 
     def scan(self) -> int:
         """Index every record in the directory and reclaim dead writers' temp files. Safe to
-        run while serving: ``contains`` falls back to the directory meanwhile."""
+        run while serving: ``contains`` falls back to the directory meanwhile. A store closed
+        before or during the scan stops it (its index is of no use any more) and never leads.
+        Returns how many records it found."""
+        if self._closed:
+            return 0
         started = time.monotonic()
         self._count("temp_reclaimed", reclaim_temp_files(self.tmp_dir, self.backend.instance, self.disk))
-        found = list(self._list_records())
+        found = list(self._list_records(stop_if_closed=True))
+        if self._closed:
+            return len(found)
         self.index.merge_scanned(found)
         self.scan_seconds = time.monotonic() - started
         self._last_rescan = time.monotonic()
@@ -461,11 +490,14 @@ class FileStore(Store):
         self.try_lead()  # a daemon alone on its directory evicts from the first write on
         return len(found)
 
-    def _list_records(self) -> Iterator[tuple[str, int, int]]:
-        """``(name, size, mtime_ns)`` of every record file; counts progress as it goes."""
+    def _list_records(self, stop_if_closed: bool = False) -> Iterator[tuple[str, int, int]]:
+        """``(name, size, mtime_ns)`` of every record file; counts progress as it goes. With
+        ``stop_if_closed`` (the start-up scan) it ends early once the store is closed."""
         with self._counter_lock:
             self.counters["scan_records"] = 0
         for name, size, mtime_ns in scan_record_files(self.dir):
+            if stop_if_closed and self._closed:
+                return
             self._count("scan_records", 1)
             yield name, size, mtime_ns
 

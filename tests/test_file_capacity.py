@@ -429,3 +429,54 @@ def test_a_stuck_file_is_logged_and_its_bytes_go_when_it_is_finally_deleted(tmp_
     monkeypatch.undo()
     assert store.delete("k0") is True
     assert store.usage() == {"records": 0, "bytes": 0} and store.index.stuck == 0
+
+
+def _lock_fds(store: FileStore) -> int:
+    """How many of this process's descriptors are open on the namespace's evict.lock."""
+    lock = os.path.realpath(os.path.join(store.dir, "evict.lock"))
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}") == lock
+        except OSError:
+            continue  # the descriptor listdir itself used, closed meanwhile
+    return count
+
+
+def test_a_store_closed_before_its_scan_never_takes_the_lead(tmp_path) -> None:
+    """Issue 22 (4): a namespace closed while its start-up scan was queued kept evict.lock (a
+    leaked descriptor), so the store opened next for that namespace never led."""
+    writer = open_store(tmp_path)
+    for i in range(5):
+        writer.put(f"k{i}", payload(i))
+    writer.close()
+    closed = FileBackend(str(tmp_path), capacity=Capacity(max_bytes=3 * FILE)).open_store(NAMESPACE, {"t": 1}, RECORD)
+    closed.close()
+    assert closed.scan() == 0 and closed.counters["scan_records"] == 0
+    closed.maintain()
+    assert closed.try_lead() is False
+    assert not closed.is_leader and _lock_fds(closed) == 0
+    again = open_store(tmp_path, records_cap=3)
+    assert again.is_leader and _lock_fds(again) == 1
+    again.put("k9", payload(9))  # the cap holds again: the new store evicts at write time
+    assert files_on_disk(again) <= 3 * FILE and again.counters["evicted_capacity"] >= 3
+
+
+def test_a_store_closed_during_its_scan_stops_scanning_and_never_leads(tmp_path, monkeypatch) -> None:
+    writer = open_store(tmp_path)
+    for i in range(20):
+        writer.put(f"k{i}", payload(i))
+    writer.close()
+    store = FileBackend(str(tmp_path)).open_store(NAMESPACE, {"t": 1}, RECORD)
+    real_walk = file_store.scan_record_files
+
+    def walk_then_close(path):
+        for n, found in enumerate(real_walk(path)):
+            if n == 2:
+                store.close()  # the daemon registered another layout meanwhile
+            yield found
+
+    monkeypatch.setattr(file_store, "scan_record_files", walk_then_close)
+    store.scan()
+    assert store.counters["scan_records"] == 2  # it stopped at the first record after the close
+    assert not store.is_leader and _lock_fds(store) == 0

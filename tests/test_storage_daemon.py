@@ -145,3 +145,61 @@ def test_lookups_work_before_the_start_up_scan_ends(tmp_path: Path, monkeypatch:
             assert stats["records"] == 16
             assert stats["temp_reclaimed"] == 1
             assert not leftover.exists()
+
+
+def _lock_holders(lock: Path) -> int:
+    """This process's descriptors open on ``lock`` (the in-process daemon's among them)."""
+    target = os.path.realpath(lock)
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}") == target
+        except OSError:
+            continue
+    return count
+
+
+def test_a_namespace_closed_during_its_scan_leaves_the_lock_to_its_next_store(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 22 (4): register layout A, then B from the same pid while A's start-up scan runs,
+    then A again. The scan of the closed A took evict.lock (and kept its descriptor), so the
+    new A store never led and the cap stopped holding."""
+    store = tmp_path / "store"
+    cap = 12 * FILE_BYTES
+    other = CacheLayout("cap-test-b", num_layers=2, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=64)
+    lock = store / LAYOUT.fingerprint() / "evict.lock"
+    gate, held = threading.Event(), threading.Event()
+    real_scan = FileStore.scan
+
+    def first_scan_waits(self):
+        if self.namespace == LAYOUT.fingerprint() and not held.is_set():
+            held.set()
+            assert gate.wait(30), "the test never released the scan"
+        return real_scan(self)
+
+    monkeypatch.setattr(FileStore, "scan", first_scan_waits)
+    with HostKVCache.create(LAYOUT) as a, HostKVCache.create(other) as b, \
+            InProcessDaemon(store, storage_max_bytes=cap, maintenance_interval_s=0.05) as d, \
+            Client(d.endpoint, timeout=10) as c:
+        a.fill_random(1)
+        b.fill_random(2)
+        c.register(a)
+        assert held.wait(10)  # A's scan is under way
+        c.register(b)  # closes A's stores
+        gate.set()
+        assert wait_until(lambda: c.stats()["tiers"]["file"]["scan_complete"] is True)  # B's scan ran after A's
+        for _ in range(3):  # each round trip used to leak one more descriptor on A's lock
+            c.register(a)
+            assert wait_until(lambda: c.stats()["tiers"]["file"]["leader"] is True, timeout=10), c.stats()["tiers"]
+            assert _lock_holders(lock) == 1
+            c.register(b)
+            assert wait_until(lambda: c.stats()["tiers"]["file"]["leader"] is True, timeout=10)
+            assert _lock_holders(lock) == 0
+        c.register(a)
+        assert wait_until(lambda: c.stats()["tiers"]["file"]["leader"] is True, timeout=10)
+        for start in range(0, 32, 8):  # well past the cap
+            keys = [f"again-{i}" for i in range(start, start + 8)]
+            assert c.swap_out(list(range(8)), keys, wait="persisted").status == ["stored"] * 8
+            assert dir_bytes(store / LAYOUT.fingerprint()) <= cap
+        file_tier = c.stats()["tiers"]["file"]
+        assert file_tier["bytes"] <= cap and file_tier["evicted_capacity"] + file_tier["records"] == 32
