@@ -147,22 +147,25 @@ class RecordIndex:
         """Remove and return the next record to evict (:meth:`ChainOrder.victim`: stranded
         records first, then the least recently used record no other follows), skipping pinned
         ones; or None. The caller deletes the file; if that fails it calls :meth:`mark_stuck`."""
-        return self._take(lambda n: bool(self._pins.get(n)))
+        return self._take(self._order.victim)
 
     def take_stranded(self) -> tuple[str, int] | None:
         """Remove and return one unpinned stranded record (its chain lost a record before it),
-        or None: never a reachable one."""
-        return self._take(lambda n: bool(self._pins.get(n)) or not self._order.is_stranded(n))
+        or None: never a reachable one. Costs the stranded records, not the index's size."""
+        return self._take(self._order.stranded_victim)
 
-    def _take(self, skip) -> tuple[str, int] | None:
+    def _take(self, choose) -> tuple[str, int] | None:
         with self._lock:
-            name = self._order.victim(skip=skip)
+            name = choose(skip=self._pinned)
             if name is None:
                 return None
             self._order.remove(name)
             size = self._sizes.pop(name)
             self._bytes -= size
             return name, size
+
+    def _pinned(self, name: str) -> bool:
+        return bool(self._pins.get(name))
 
     def mark_stuck(self, name: str, size: int) -> None:
         with self._lock:
