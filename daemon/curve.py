@@ -15,6 +15,12 @@ now. A file that cannot be read or parsed (a half-written new key) admits nobody
 reported; a directory that cannot be listed admits nobody until it can. So a deleted key is
 never admitted again, whatever else is wrong in the directory. (It used to be that one bad
 file abandoned the reload and kept the old set, deleted keys included.)
+
+Nothing the key check raises leaves the ZAP handler (:class:`KvswapAuthenticator`): a bug or
+a file the loader did not foresee denies that one handshake, is logged and counted in
+``kvswap_auth_errors_total``, and the authenticator answers the next. (A key file whose z85
+decoded past 2^32 - 1 raised ``struct.error`` out of the callback; it killed pyzmq's
+authenticator task, so no handshake was answered again, and at start-up it hung the daemon.)
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import struct
 import time
 import zmq
 import zmq.auth
@@ -40,14 +47,31 @@ class CurveError(Exception):
 
 
 def load_secret_key(path: str) -> tuple[bytes, bytes]:
-    """The (public, secret) keys of a ZMQ certificate file that holds a secret key."""
+    """The (public, secret) keys of a ZMQ certificate file that holds a secret key; both are
+    checked to be 40 z85 characters that decode (libzmq refuses others only at setsockopt)."""
     try:
         public, secret = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:
         raise CurveError(f"cannot read the CURVE secret key file {path}: {exc}") from None
     if not secret:
         raise CurveError(f"{path} holds no secret key: pass the .key_secret file of kvswap keygen")
+    for name, key in (("public", public), ("secret", secret)):
+        problem = z85_key_problem(key)
+        if problem:
+            raise CurveError(f"the CURVE secret key file {path} is malformed: its {name} key {problem}")
     return public, secret
+
+
+def z85_key_problem(key: bytes) -> str:
+    """Why ``key`` is not the z85 text of a Curve25519 key ("" if it is)."""
+    if len(key) != Z85_KEY_CHARS:
+        return f"is {len(key)} characters, not {Z85_KEY_CHARS}"
+    try:
+        zmq.utils.z85.decode(key)
+    except (ValueError, KeyError, IndexError, TypeError, struct.error):
+        # struct.error: a group of five characters that decodes past 2^32 - 1.
+        return "is not z85"
+    return ""
 
 
 def load_public_key(path: str) -> bytes:
@@ -111,6 +135,10 @@ class AuthorizedKeys:
             except (OSError, ValueError) as exc:
                 unreadable += 1
                 log.warning("authorized key file %s is not admitted: %s", path, exc)
+            except Exception as exc:  # a file the loader did not foresee: that file only admits nobody
+                unreadable += 1
+                log.error("authorized key file %s is not admitted: the key loader failed on it: %s: %s", path,
+                          type(exc).__name__, exc)
         self._keys, self._signature = frozenset(keys), signature
         if self.files is not None:
             self.files.labels(state="loaded").set(len(keys))
@@ -165,14 +193,35 @@ def read_public_key(path: str) -> bytes:
         line = line.strip()
         if line.startswith(b"public-key"):
             key = line.split(b"=", 1)[1].strip(b" \t'\"") if b"=" in line else b""
-            if len(key) != Z85_KEY_CHARS:
-                raise ValueError(f"its public key is {len(key)} characters, not {Z85_KEY_CHARS}")
-            try:
-                zmq.utils.z85.decode(key)
-            except (ValueError, KeyError, IndexError, TypeError):
-                raise ValueError("its public key is not z85") from None
+            problem = z85_key_problem(key)
+            if problem:
+                raise ValueError(f"its public key {problem}")
             return key
     raise ValueError("no public key in it")
+
+
+class KvswapAuthenticator(AsyncioAuthenticator):
+    """pyzmq's asyncio authenticator with a boundary around each ZAP request: an exception
+    from the credentials provider (or anywhere in the handling of one request) denies that
+    handshake with status 500, is logged and counted, and the authenticator goes on to the
+    next. pyzmq lets it escape, which ends the authenticator's task: every later handshake
+    then waits forever, authorized clients included."""
+
+    def __init__(self, context: zmq.Context, errors: Counter) -> None:
+        super().__init__(context, log=logging.getLogger("kvswap.daemon.zap"))
+        self.errors = errors
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        try:
+            await super().handle_zap_message(msg)
+        except Exception as exc:
+            self.errors.inc()
+            log.error("refused a CURVE handshake: the key check failed: %s: %s", type(exc).__name__, exc)
+            if len(msg) >= 2:
+                try:
+                    self._send_zap_reply(msg[1], b"500", b"Internal error")
+                except zmq.ZMQError as send_exc:  # the ZAP socket is closing: nothing to answer
+                    log.warning("cannot answer the ZAP request: %s", send_exc)
 
 
 class CurveServer:
@@ -184,6 +233,8 @@ class CurveServer:
                               registry=registry)
         files = Gauge("kvswap_auth_key_files", "Files in the authorized-keys directory at the last reload: loaded "
                       "(admitted) or unreadable (admit nobody).", ["state"], registry=registry)
+        self.errors = Counter("kvswap_auth_errors", "CURVE handshakes refused because the key check itself failed "
+                              "(a bug, or a key file the loader did not foresee); logged.", registry=registry)
         self.keys = AuthorizedKeys(authorized_keys, self.denied, files)
         self.public_key = b""
         self._auth: AsyncioAuthenticator | None = None
@@ -191,6 +242,15 @@ class CurveServer:
     def prepare(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
         """Load the keys, start the authenticator on the running loop, set the socket options.
         Raises :class:`CurveError`."""
+        try:
+            self._prepare(ctx, sock)
+        except CurveError:
+            raise
+        except Exception as exc:  # whatever else goes wrong here fails start-up with its reason
+            self.close()
+            raise CurveError(f"CURVE cannot be set up: {type(exc).__name__}: {exc}") from None
+
+    def _prepare(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
         public, secret = load_secret_key(self.secret_key_file)
         mode = stat.S_IMODE(os.stat(self.secret_key_file).st_mode)
         if mode & 0o077:
@@ -199,7 +259,7 @@ class CurveServer:
         count = self.keys.load()
         if count == 0:
             log.warning("no client keys in %s: every client will be refused until one is added", self.keys.directory)
-        self._auth = AsyncioAuthenticator(ctx, log=logging.getLogger("kvswap.daemon.zap"))
+        self._auth = KvswapAuthenticator(ctx, self.errors)
         self._auth.start()
         self._auth.configure_curve_callback(domain="*", credentials_provider=self.keys)
         sock.curve_secretkey = secret

@@ -157,6 +157,9 @@ class Daemon:
             except CurveError as exc:
                 sock.close(0)
                 raise StartupError(str(exc)) from None
+            except BaseException:
+                sock.close(0)  # an open socket would hang the context's term() in shutdown
+                raise
         try:
             sock.bind(f"tcp://{_zmq_host(cfg.host)}:{cfg.cache_queue_port}")
         except zmq.ZMQError as exc:

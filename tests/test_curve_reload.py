@@ -1,12 +1,16 @@
 """CURVE revocation fails closed: a key deleted from the authorized directory is refused at the
-next handshake even while a broken key file (a half-written new key) sits beside it. A real
-CURVE daemon subprocess, real keys; the signals asserted on are the daemon's refusal counter,
-its key-file gauge and its log lines."""
+next handshake even while a broken key file (a half-written new key) sits beside it; and one
+malformed key file refuses only itself, never every client (issue 22). A real CURVE daemon
+subprocess, real keys; the signals asserted on are the daemon's refusal counter, its key-file
+gauge and its log lines."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -99,3 +103,139 @@ def test_read_public_key_does_not_block_on_a_fifo(tmp_path: Path) -> None:
     os.mkfifo(path)
     with pytest.raises(ValueError, match="not a regular file"):
         read_public_key(str(path))
+
+
+# -- one malformed key file must not lock everyone out (issue 22, finding 3) ---------------------
+
+#: 40 valid z85 characters whose last group ("#####", 85^5 - 1) decodes past 2^32 - 1: the
+#: z85 decoder raised struct.error, which escaped the loader and killed pyzmq's authenticator.
+OVERFLOWING_KEY = b'public-key = "' + b"0" * 35 + b'#####"\n'
+
+
+def curve_args(keys: dict[str, Path], secret: Path | None = None) -> list[str]:
+    return ["--curve-secret-key-file", str(secret or keys["made"] / "kvswapd.key_secret"),
+            "--authorized-keys", str(keys["authorized"])]
+
+
+def test_a_key_file_decoding_past_32_bits_is_refused_alone_and_handshakes_go_on(tmp_path: Path, keys) -> None:
+    d = DaemonProcess(tmp_path / "store", free_port(), free_port(), extra_args=curve_args(keys),
+                      client_options=options(keys, "alice")).start()
+    try:
+        assert answers(d.endpoint, **options(keys, "bob"))
+        bad = keys["authorized"] / "mallory.key"
+        bad.write_bytes(OVERFLOWING_KEY)
+        # The next handshakes reload the directory: the bad file is refused, the others admit.
+        assert answers(d.endpoint, **options(keys, "alice"))
+        assert answers(d.endpoint, **options(keys, "bob"))
+        assert d.metric("kvswap_auth_key_files", state="unreadable") == 1
+        assert d.metric("kvswap_auth_key_files", state="loaded") == 2
+        os.unlink(bad)
+        assert answers(d.endpoint, **options(keys, "alice"))
+        assert d.metric("kvswap_auth_key_files", state="unreadable") == 0
+        log = d.log()
+        assert f"authorized key file {bad} is not admitted: its public key is not z85" in log
+        assert "Traceback" not in log
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_a_key_file_decoding_past_32_bits_at_start_up_does_not_hang_it(tmp_path: Path, keys) -> None:
+    (keys["authorized"] / "mallory.key").write_bytes(OVERFLOWING_KEY)
+    d = DaemonProcess(tmp_path / "store", free_port(), free_port(), extra_args=curve_args(keys),
+                      client_options=options(keys, "alice"))
+    d.start()  # used to hang in start-up until the test's 20 s ran out
+    try:
+        assert answers(d.endpoint, **options(keys, "bob"))
+        assert d.metric("kvswap_auth_key_files", state="unreadable") == 1
+        assert "is not admitted: its public key is not z85" in d.log()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def test_a_malformed_secret_key_file_fails_start_up_with_exit_3(tmp_path: Path, keys) -> None:
+    secret = tmp_path / "bad.key_secret"
+    secret.write_bytes(b'public-key = "' + b"0" * 40 + b'"\nsecret-key = "' + b"0" * 35 + b'#####"\n')
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "kvswap.daemon", "--cache-queue-port", str(free_port()),
+                             "--metrics-port", str(free_port()), "--storage-dir", str(tmp_path / "s"),
+                             *curve_args(keys, secret)], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 3, result.stderr
+    assert f"{secret}" in result.stderr and "start-up failed" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - started < 20
+
+
+class _Exploding:
+    """A credentials provider with a bug: it raises for one client's key, admits the rest."""
+
+    def __init__(self, bad_key: bytes) -> None:
+        self.bad_key = bad_key
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        if client_key == self.bad_key:
+            raise RuntimeError("a bug in the key loader")
+        return True
+
+
+def test_an_exception_in_the_key_check_denies_that_handshake_and_the_authenticator_lives_on() -> None:
+    """The ZAP boundary: whatever the credentials provider raises is a denial, logged and
+    counted, and the next handshake is answered (a real authenticator, real CURVE sockets)."""
+    import asyncio
+
+    import zmq
+    import zmq.asyncio
+    from zmq.utils.monitor import parse_monitor_message
+
+    from kvswap.daemon.curve import KvswapAuthenticator
+
+    server_public, server_secret = zmq.curve_keypair()
+    bad_public, bad_secret = zmq.curve_keypair()
+    good_public, good_secret = zmq.curve_keypair()
+    registry = CollectorRegistry()
+    errors = Counter("auth_errors", "", registry=registry)
+
+    async def main() -> tuple[int, bytes | None]:
+        ctx = zmq.asyncio.Context()
+        auth = KvswapAuthenticator(ctx, errors)
+        auth.start()
+        auth.configure_curve_callback(domain="*", credentials_provider=_Exploding(bad_public))
+        server = ctx.socket(zmq.ROUTER)
+        server.curve_secretkey, server.curve_publickey, server.curve_server = server_secret, server_public, True
+        port = server.bind_to_random_port("tcp://127.0.0.1")
+        sockets = []
+
+        def client(public: bytes, secret: bytes) -> zmq.asyncio.Socket:
+            sock = ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = secret, public, server_public
+            sockets.append(sock)
+            return sock
+
+        try:
+            bad = client(bad_public, bad_secret)
+            monitor = bad.get_monitor_socket()
+            sockets.append(monitor)
+            bad.connect(f"tcp://127.0.0.1:{port}")
+            event = 0
+            while event not in (zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+                event = parse_monitor_message(await asyncio.wait_for(monitor.recv_multipart(), 10))["event"]
+            good = client(good_public, good_secret)
+            good.connect(f"tcp://127.0.0.1:{port}")
+            await good.send(b"hello")
+            try:
+                got: bytes | None = (await asyncio.wait_for(server.recv_multipart(), 10))[-1]
+            except asyncio.TimeoutError:
+                got = None  # the authenticator died: no handshake is answered any more
+        finally:
+            for sock in sockets:
+                sock.close(0)
+            server.close(0)
+            auth.stop()
+            ctx.term()
+        return event, got
+
+    event, got = asyncio.run(main())
+    assert event == zmq.EVENT_HANDSHAKE_FAILED_AUTH  # denied, not left hanging
+    assert got == b"hello"
+    assert registry.get_sample_value("auth_errors_total") >= 1
