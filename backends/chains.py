@@ -203,6 +203,9 @@ class ChainOrder(Generic[N]):
             elif reserve:
                 self._reserved[name] = stamp
                 self._reserved.move_to_end(name)
+                # About to be written: what is stored after it is reachable again (issue 22).
+                for child in self._children.get(name, ()):
+                    self._stranded.pop(child, None)
         while len(self._reserved) > RESERVED_LIMIT:
             self.release(next(iter(self._reserved)))
         for parent, child in zip(names, names[1:]):

@@ -100,6 +100,22 @@ def test_a_record_after_an_evicted_one_is_not_worth_writing():
     assert not order.orphaned("k2")  # released: a later put (say a promotion) is not refused
 
 
+def test_a_chain_named_again_makes_its_stranded_records_reachable():
+    """Issue 22 (12a): a -> b -> c stored, a removed (b stranded), then a swap_out names
+    [a, b, c] again: a is about to be written, so b is reachable and c is the leaf to evict."""
+    order = ChainOrder(clock=ticks())
+    order.chain("abc", reserve=True)
+    for name in "abc":
+        order.add(name)
+    order.remove("a")
+    assert order.stranded == 1 and order.unreachable() == 2
+    order.chain("abc", reserve=True)
+    assert order.stranded == 0 and order.unreachable() == 0
+    assert order.victim() == "c"
+    order.release("a")  # a's write failed after all: b is stranded again
+    assert order.stranded == 1 and order.victim() == "b"
+
+
 def test_a_failed_write_strands_what_follows_it():
     order = ChainOrder(clock=ticks())
     order.chain("abc", reserve=True)
@@ -281,6 +297,31 @@ def test_refused_records_cost_their_chain_not_the_whole_heap(tmp_path, monkeypat
     assert stats["evicted_stranded"] == len(keys[30:]) and not any(store.contains(k) for k in keys)  # the stranded tail went
     assert stats["records"] == records and stats["unreachable"] == 0
     assert heap.calls <= 4 * len(keys), heap.calls  # the chain's length, not the store's size
+
+
+@pytest.mark.parametrize("tier", ["file", "host"])
+def test_rewriting_a_chains_head_under_pressure_keeps_the_chain(tmp_path, tier):
+    """Issue 22 (12a), in the stores: the write of the head a evicts, and the victims must be
+    the oldest leaves (x, then c), not b, which a's write makes reachable again."""
+    if tier == "file":
+        store = FileBackend(str(tmp_path), capacity=Capacity(max_bytes=3 * (256 + RECORD))).open_store(NS, {}, RECORD)
+        store.scan()
+        fillers = ["x"]
+    else:
+        _, store = host_store(4)  # the pool holds four records
+        fillers = ["x", "y"]
+    assert _swap_out(store, ["a", "b", "c"]) == 3
+    assert store.delete("a")
+    for key in fillers:  # the store is full again
+        store.put(key, payload(9))
+    store.expect_chain(["a", "b", "c"])  # what the daemon does: name the chain, skip what is stored
+    missing = [k for k in "abc" if not store.contains(k)]
+    assert missing == ["a"]
+    store.put("a", payload(0))
+    assert store.contains("a") and store.contains("b") and not store.contains("x")
+    kept = sum(store.contains(k) for k in "abc")
+    assert store.contains_prefix(["a", "b", "c"]) == kept  # the chain's records kept are its head
+    assert store.stats()["unreachable"] == 0
 
 
 # -- a real daemon under pressure -----------------------------------------------------------------
