@@ -33,6 +33,12 @@ a prefix chain loses its tail, never its head. ``_order`` knows every record in 
 held or not; held slots are skipped. Only when every leaf is held does a take fall back to the
 longest-idle cached record (its successors are then stranded and go first next time).
 
+A pool is replaced when a registration brings another record size (:meth:`HostPool.retire`):
+from then on it hands out nothing, and once its last held slot is released (a write or read still
+in flight keeps its slot valid until then) it unmaps its arena there and then, not whenever the
+cyclic GC gets to it (slots and pool refer to each other; issue 22). A slot of an unmapped pool
+has an empty ``view``, so a stale reference fails loudly instead of touching freed memory.
+
 A :class:`PoolWindow` is a bounded share of the pool for one use (swap_out's write staging,
 swap_in's read staging): it counts the slots it took until their last holder lets go, so
 ``busy`` still means "write staging is full". The RAM tier (:class:`HostPoolBackend`) is a
@@ -46,7 +52,7 @@ import logging
 import mmap
 import threading
 from collections import Counter, OrderedDict, deque
-from typing import Any, Container, Iterable, Sequence
+from typing import Any, Callable, Container, Iterable, Sequence
 
 import numpy as np
 
@@ -71,6 +77,11 @@ except (OSError, AttributeError):  # not Linux: touch the pages instead
     _madvise = None
 
 
+#: What a slot's ``view`` and a pool's ``arena`` become once the pool is unmapped.
+_GONE = np.empty(0, dtype=np.uint8)
+_GONE.flags.writeable = False
+
+
 def _fault_in(address: int, nbytes: int) -> None:
     """Fault in ``nbytes`` at ``address`` (page aligned). Either way the GIL is released: a
     ctypes call drops it for the duration."""
@@ -86,6 +97,7 @@ class PoolSlot:
     def __init__(self, pool: "HostPool", index: int, view: np.ndarray) -> None:
         self.pool = pool
         self.index = index
+        #: Empty once the pool is unmapped (only a slot nobody holds can see that).
         self.view = view
         self.refs = 0
         #: (namespace, key) while the slot is the RAM-tier copy of that record.
@@ -113,14 +125,15 @@ class HostPool:
         self.staging_slots = staging_slots
         self.capacity = staging_slots + cache_slots
         # An anonymous mapping: page aligned, and reserved without being touched.
-        self._mem = mmap.mmap(-1, self.capacity * self.slot_bytes)
+        mem = mmap.mmap(-1, self.capacity * self.slot_bytes)
         try:
-            self._mem.madvise(mmap.MADV_HUGEPAGE)
+            mem.madvise(mmap.MADV_HUGEPAGE)
         except (AttributeError, OSError):
             pass  # no transparent hugepages here: 4 KiB pages work the same, with more TLB misses
+        self._mem: mmap.mmap | None = mem  # None once unmapped (retire)
         # A view of a view: ``arena.base`` is then an array over the whole mapping, as it was
         # for the aligned allocations staging used before (GPU pinning code looks there).
-        self.arena = np.frombuffer(self._mem, dtype=np.uint8)[:]
+        self.arena = np.frombuffer(mem, dtype=np.uint8)[:]
         self.base = self.arena.ctypes.data
         self._slots = [PoolSlot(self, i, self.arena[i * self.slot_bytes : i * self.slot_bytes + record_bytes])
                        for i in range(self.capacity)]
@@ -133,6 +146,13 @@ class HostPool:
         self._order: ChainOrder[tuple[str, str]] = ChainOrder(eviction)
         self._faulted = 0
         self._growing = False
+        #: Slots with refs > 0; a retired pool unmaps when this reaches 0.
+        self._held = 0
+        self._retired = False
+        self._faulting = False  # grow() is faulting in outside the lock: unmapping waits
+        self._unmapped = False
+        #: Called with the arena just before it is unmapped (tiers that registered it let go).
+        self.before_unmap: list[Callable[[np.ndarray], None]] = []
         #: Records held per namespace, and evicted per namespace to make room.
         self.records: Counter[str] = Counter()
         self.evicted: Counter[str] = Counter()
@@ -150,12 +170,19 @@ class HostPool:
         with self._lock:
             start = self._faulted
             stop = min(self.capacity, start + count)
-        if stop <= start:
-            return 0
-        _fault_in(self.base + start * self.slot_bytes, (stop - start) * self.slot_bytes)
-        with self._lock:
-            self._faulted = stop
-            self._free.extend(range(start, stop))
+            if stop <= start or self._retired:
+                return 0
+            self._faulting = True
+        try:
+            _fault_in(self.base + start * self.slot_bytes, (stop - start) * self.slot_bytes)
+        finally:
+            with self._lock:
+                self._faulting = False
+                self._faulted = stop
+                self._free.extend(range(start, stop))
+                due = self._unmap_due()
+            if due:
+                self._unmap()
         return stop - start
 
     def grow_all(self) -> int:
@@ -187,6 +214,8 @@ class HostPool:
         """``count`` slots, each held once, or None when fewer are available (all or nothing).
         Free slots first, then cached records are evicted in the order of :mod:`.chains`."""
         with self._lock:
+            if self._retired:
+                return None
             if window is not None and window.in_use + count > window.capacity:
                 return None
             if count > len(self._free) + len(self._idle):
@@ -205,6 +234,7 @@ class HostPool:
                 taken.append(slot)
             if window is not None:
                 window.in_use += count
+            self._held += count
         return taken
 
     def _release(self, slot: PoolSlot) -> None:
@@ -215,6 +245,8 @@ class HostPool:
             if slot.refs < 0:
                 slot.refs = 0
                 raise RuntimeError("pool slot released twice")
+            self._held -= 1
+            due = self._unmap_due()
             if slot.window is not None:
                 slot.window.in_use -= 1
                 slot.window = None
@@ -227,6 +259,66 @@ class HostPool:
                 self._idle[slot.index] = None  # evictable again
             else:
                 self._free.append(slot.index)
+        if due:
+            self._unmap()
+
+    # -- replacement --------------------------------------------------------------------------------
+
+    def retire(self) -> None:
+        """This pool is being replaced (another record size): hand out nothing more, and unmap
+        the arena as soon as no slot is held (now, if none is)."""
+        with self._lock:
+            self._retired = True
+            due = self._unmap_due()
+        if due:
+            self._unmap()
+
+    @property
+    def retired(self) -> bool:
+        return self._retired
+
+    @property
+    def unmapped(self) -> bool:
+        return self._unmapped
+
+    def _unmap_due(self) -> bool:
+        """Under the lock: whether this call should unmap (retired, nothing held, no fault-in
+        running, not yet done); claims it, so exactly one caller does."""
+        if not self._retired or self._held or self._faulting or self._unmapped:
+            return False
+        self._unmapped = True
+        return True
+
+    def _unmap(self) -> None:
+        """Unmap the arena of a retired pool nobody holds a slot of (outside the lock: nothing
+        can take a slot of it any more). The views into it go first, so the mapping has no
+        exports left; one held elsewhere (a GPU mover still pinning it until its registration
+        closes) defers the unmap to the moment that last reference goes, by reference count."""
+        arena = self.arena
+        for hook in self.before_unmap:
+            try:
+                hook(arena)
+            except Exception as exc:  # a tier that cannot unregister must not keep the memory
+                log.warning("letting go of the replaced host pool: %s", exc)
+        self.before_unmap = []
+        for slot in self._slots:
+            slot.view = _GONE
+        with self._lock:
+            self._slots = []
+            self._free.clear()
+            self._idle.clear()
+            self._index.clear()
+            self._order.clear()
+            self.records.clear()
+            self._faulted = 0
+        self.arena = _GONE
+        del arena
+        mem, self._mem = self._mem, None
+        try:
+            if mem is not None:
+                mem.close()
+        except BufferError:
+            log.info("the replaced host pool is still referenced; it is unmapped when that reference goes")
 
     def _drop_stranded(self) -> None:
         """Under the lock: forget every stranded record nobody holds (the held ones go when
@@ -249,7 +341,10 @@ class HostPool:
         return next(iter(self._idle))
 
     def slot_of(self, buffer: Any) -> PoolSlot | None:
-        """The held slot whose record ``buffer`` is (same address and length), else None."""
+        """The held slot whose record ``buffer`` is (same address and length), else None (always
+        None for a retired pool: it keeps no new records)."""
+        if self._retired:
+            return None
         try:
             view = np.frombuffer(buffer, dtype=np.uint8)
         except (TypeError, ValueError):
@@ -297,9 +392,11 @@ class HostPool:
         """The slot holding ``key``, held once more for the caller (release it), or None."""
         with self._lock:
             index = self._index.get((namespace, key))
-            if index is None:
+            if index is None or self._retired:
                 return None
             slot = self._slots[index]
+            if slot.refs == 0:
+                self._held += 1
             slot.refs += 1
             self._idle.pop(index, None)  # held now: not evictable until released
             self._order.add((namespace, key))  # a read makes it the most recent (then a hit prefix is touched whole)
@@ -405,7 +502,7 @@ class PoolWindow:
         return self.pool.take(count, self)
 
     def close(self) -> None:
-        pass  # the pool's memory goes with its last reference
+        pass  # the pool's memory goes with HostPool.retire, once no slot of it is held
 
 
 # -- the RAM tier -----------------------------------------------------------------------------

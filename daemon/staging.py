@@ -62,8 +62,9 @@ class Staging:
     also holds the RAM tier's records (see :mod:`kvswap.backends.host_pool`).
 
     The pool is made (and remade when the record size changes) by :meth:`prepare`, on a
-    thread: reserving and faulting in the staging share takes time. Old pools stay alive
-    until their last slot is released, then go with them. Slots are taken and released on
+    thread: reserving and faulting in the staging share takes time. The pool it replaces is
+    retired: it hands out nothing more, and its memory is unmapped when its last held slot is
+    released (at once if none is), not left to the cyclic GC. Slots are taken and released on
     the event loop; the RAM-tier share is faulted in on a background thread as it fills.
     """
 
@@ -100,11 +101,13 @@ class Staging:
         self._register_with_tiers(pool)
         if self.ram is not None:
             self.ram.attach(pool)
-        self.pool, self.write, self.read = pool, write, read
+        old, self.pool, self.write, self.read = self.pool, pool, write, read
         self.metrics.staging_slots.clear()
         for window in (write, read):
             self.metrics.staging_slots.labels(pool=window.name, state="free").set_function(lambda w=window: w.free)
             self.metrics.staging_slots.labels(pool=window.name, state="used").set_function(lambda w=window: w.in_use)
+        if old is not None:
+            old.retire()  # unmapped now, or when the writes and reads holding its slots release them
 
     def _grow(self) -> None:
         """Fault in the rest of the pool's RAM-tier share in the background once the free
@@ -140,6 +143,10 @@ class Staging:
                 backend.register_buffer(pool.arena)
             except Exception as exc:  # zero-copy is an optimisation; copying still works
                 log.warning("cannot register staging with the %s tier: %s", backend.tier, exc)
+                continue
+            unregister = getattr(backend, "unregister_buffer", None)
+            if unregister is not None:  # it keeps the arena referenced (and registered) until told
+                pool.before_unmap.append(unregister)
 
     # -- slots ----------------------------------------------------------------------------------
 

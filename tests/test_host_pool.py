@@ -6,6 +6,7 @@ and a real daemon showing the RAM tier serving from the slot a swap_out gathered
 from __future__ import annotations
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -234,3 +235,154 @@ def test_lookup_prefix_joins_the_tiers_runs(tmp_path: Path) -> None:
     assert tiers.cached_prefix(keys, {"d": None}) == 5
     assert tiers.cached_prefix(["d", "a"], {}) == 0
     assert tiers.cached_prefix([], {}) == 0
+
+
+def _rss_bytes(pid: int) -> int:
+    """The process's resident set (VmRSS in /proc/<pid>/status), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def test_registers_with_alternating_record_sizes_do_not_keep_old_pools(tmp_path: Path) -> None:
+    """Issue 22 (7): each register with a new record size makes a new host pool; the old one's
+    memory must be unmapped then (its slots and the pool refer to each other, so waiting for the
+    cyclic GC kept ~64 MiB per register here). A real daemon, 8 registers alternating between two
+    record sizes, each followed by a swap_out and a swap_in of its bytes: the daemon's RSS
+    after each of the 3rd to 8th stays within one pool of what it was after the 2nd."""
+    from kvswap.protocol import CacheLayout
+
+    staging = 32 << 20  # write and read staging each: a pool faults in 64 MiB at once
+    daemon = DaemonProcess(tmp_path / "store", free_port(), free_port(),
+                           extra_args=["--write-staging-bytes", str(staging), "--read-staging-bytes", str(staging),
+                                       "--host-tier-bytes", str(4 << 20)]).start()
+    layouts = [CacheLayout("rss-model", num_layers=n, num_blocks=16, block_size=8, num_kv_heads=2, head_dim=16)
+               for n in (3, 2)]
+    caches = [HostKVCache.create(layout) for layout in layouts]
+    try:
+        assert caches[0].layout.record_bytes != caches[1].layout.record_bytes
+        rss = []
+        with Client(daemon.endpoint, timeout=30) as c:
+            for i in range(8):
+                cache = caches[i % 2]
+                cache.fill_random(seed=i)
+                assert c.register(cache)["record_bytes"] == cache.layout.record_bytes
+                keys = [f"r{i}-{b}" for b in range(4)]
+                expected = [cache.block_record(b) for b in range(4)]
+                assert c.swap_out([0, 1, 2, 3], keys, wait="persisted").stored == 4
+                cache.zero_blocks([8, 9, 10, 11])
+                assert c.swap_in(keys, [8, 9, 10, 11]).loaded == 4
+                assert [cache.block_record(b) for b in (8, 9, 10, 11)] == expected
+                rss.append(_rss_bytes(daemon.proc.pid))
+        pool_bytes = 2 * staging
+        # Every register after the 2nd: at most one pool above it (a leak adds a pool each time,
+        # until the cyclic GC happens to run).
+        assert max(rss[2:]) - rss[1] < pool_bytes, " ".join(f"{r / 2**20:.0f}" for r in rss) + " MiB"
+    finally:
+        for cache in caches:
+            cache.close()
+        assert daemon.stop() == 0, daemon.log()
+
+
+def _mapped(start: int, nbytes: int) -> bool:
+    """Whether one mapping of this process covers [start, start + nbytes)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= start and start + nbytes <= hi:
+            return True
+    return False
+
+
+@pytest.fixture
+def no_gc():
+    """The cyclic GC off, so a pool that is unmapped was unmapped by the code, not by a collection."""
+    import gc
+
+    was = gc.isenabled()
+    gc.disable()
+    yield
+    if was:
+        gc.enable()
+
+
+def test_a_replaced_pool_is_unmapped_once_its_last_held_slot_is_released(no_gc) -> None:
+    """Issue 22 (7), the unit: Staging.prepare with a new record size retires the old pool.
+    A write slot and a RAM hit still held keep it mapped, their bytes intact and writable; the
+    retired pool hands out nothing; the last release unmaps it (the range leaves
+    /proc/self/maps), with the cyclic GC off."""
+    from kvswap.daemon.metrics import Metrics
+    from kvswap.daemon.staging import Staging
+
+    ram = HostPoolBackend(8 * 4096)
+    staging = Staging(4 * 4096, 4 * 4096, [], Metrics(), ram=ram)
+    staging.prepare(4096)
+    old = staging.pool
+    assert old is not None
+    start, nbytes = old.base, old.capacity * old.slot_bytes
+    store = ram.open_store(NS, {}, 4096)
+    store.put("k", memoryview(b"\x07" * 4096))
+    hit = store.hold("k")
+    write = staging.write.try_take(1)
+    assert hit is not None and write is not None
+    fill(write[0], 0x5A)
+    staging.prepare(8192)
+    assert staging.pool is not old and old.retired and not old.unmapped and _mapped(start, nbytes)
+    assert old.take(1) is None and old.find(NS, "k") is None
+    assert bytes(hit.view) == b"\x07" * 4096 and bytes(write[0].view) == b"\x5a" * 4096
+    fill(write[0], 0x33)
+    assert bytes(write[0].view) == b"\x33" * 4096
+    hit.release()
+    assert not old.unmapped and _mapped(start, nbytes)
+    write[0].release()
+    assert old.unmapped and not _mapped(start, nbytes)
+    assert write[0].view.nbytes == 0 and old.problems() == []
+    # The new pool is untouched by the old one's going.
+    again = staging.write.try_take(1)
+    assert again is not None and again[0].view.nbytes == 8192
+    fill(again[0], 1)
+    assert bytes(again[0].view) == b"\x01" * 8192
+    again[0].release()
+    # A pool nobody holds a slot of is unmapped by retire itself.
+    idle = staging.pool
+    base = idle.base
+    staging.prepare(4096)
+    assert idle.unmapped and not _mapped(base, idle.capacity * idle.slot_bytes)
+
+
+def _register(endpoint: str, cache: HostKVCache) -> dict:
+    with Client(endpoint, timeout=30) as c:
+        return c.register(cache)
+
+
+def test_writes_in_flight_keep_their_slots_across_a_register_with_another_record_size(
+        tmp_path: Path, cache: HostKVCache) -> None:
+    """A register that replaces the pool while swap_out's writes still hold slots of it: the
+    writes land the bytes they gathered (read back after registering the first layout again),
+    and the old pool is unmapped once they finish."""
+    from kvswap.protocol import CacheLayout
+    from support import GatedWrites, InProcessDaemon, wait_until
+
+    other = CacheLayout("other-model", num_layers=2, num_blocks=8, block_size=8, num_kv_heads=2, head_dim=16)
+    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c, \
+            HostKVCache.create(other) as small:
+        c.register(small)  # its namespace directory exists then: the gated register below writes nothing
+        c.register(cache)
+        staging = d.daemon.swapper.staging
+        expected = [cache.block_record(b) for b in (1, 2)]
+        with GatedWrites(d.daemon.backend.disk) as gate:
+            assert c.swap_out([1, 2], ["g1", "g2"], wait="copied").status == ["queued", "queued"]
+            assert gate.started.acquire(timeout=10)
+            old = staging.pool
+            # The register replaces the pool, then waits for the old registration's requests.
+            with ThreadPoolExecutor(1) as runner:
+                registered = runner.submit(_register, d.endpoint, small)
+                assert wait_until(lambda: staging.pool is not old)
+                assert old.retired and not old.unmapped
+                gate.gate.set()
+                assert registered.result(timeout=30)["record_bytes"] == other.record_bytes
+            assert wait_until(lambda: old.unmapped)
+        c.register(cache)
+        cache.zero_blocks([5, 6])
+        assert c.swap_in(["g1", "g2"], [5, 6]).loaded == 2
+        assert [cache.block_record(5), cache.block_record(6)] == expected
