@@ -203,3 +203,43 @@ def test_a_namespace_closed_during_its_scan_leaves_the_lock_to_its_next_store(tm
             assert dir_bytes(store / LAYOUT.fingerprint()) <= cap
         file_tier = c.stats()["tiers"]["file"]
         assert file_tier["bytes"] <= cap and file_tier["evicted_capacity"] + file_tier["records"] == 32
+
+
+def test_background_eviction_runs_on_the_maintenance_interval_not_the_remote_checks(tmp_path: Path) -> None:
+    """Issue 22 (12c): storage maintenance comes every --maintenance-interval-s, whatever the
+    remote health interval. With maintenance every 50 ms and remote probes once an hour, each
+    round of writes to the high watermark is evicted back to the low one well within a minute;
+    maintenance tied to the remote interval would manage one round at most."""
+    cap_records = 20
+    probe = DaemonProcess(tmp_path / "probe", free_port(), free_port(), extra_args=["--host-tier-bytes", "0"]).start()
+    try:
+        with HostKVCache.create(LAYOUT) as cache, Client(probe.endpoint, timeout=10) as c:
+            c.register(cache)
+            c.swap_out([0], ["size"], wait="persisted")
+            file_bytes = c.stats()["tiers"]["file"]["bytes"]  # one record on disk, header included
+    finally:
+        assert probe.stop() == 0
+    cap = cap_records * file_bytes
+    daemon = DaemonProcess(tmp_path / "store", free_port(), free_port(),
+                           extra_args=["--storage-max-bytes", str(cap), "--host-tier-bytes", "0",
+                                       "--maintenance-interval-s", "0.05", "--remote-check-interval-s", "3600"]).start()
+    try:
+        with HostKVCache.create(LAYOUT) as cache, Client(daemon.endpoint, timeout=10) as c:
+            cache.fill_random(4)
+            c.register(cache)
+
+            def file_tier() -> dict:
+                return c.stats()["tiers"]["file"]
+
+            assert wait_until(lambda: file_tier()["leader"] is True)
+            # Up to the cap (over the 95 % high watermark, so no write evicts): only the
+            # background pass can take the store down to 85 % (17 records), three at a time.
+            batches = [[f"first-{i}" for i in range(cap_records)], ["second-0", "second-1", "second-2"],
+                       ["third-0", "third-1", "third-2"]]
+            for round_, keys in enumerate(batches, 1):
+                assert c.swap_out(list(range(len(keys))), keys, wait="persisted").status == ["stored"] * len(keys)
+                assert wait_until(lambda: file_tier()["records"] == 17, timeout=30), file_tier()
+                assert file_tier()["evicted_capacity"] == 3 * round_
+                assert dir_bytes(tmp_path / "store") == 17 * file_bytes
+    finally:
+        assert daemon.stop() == 0
