@@ -380,6 +380,56 @@ def test_a_truncated_segment_is_a_typed_error_and_the_daemon_stays_up(copy_path:
         cache.segment.unlink()
 
 
+def test_a_segment_truncated_while_register_maps_it_is_invalid_layout(copy_path: str, tmp_path: Path,  # noqa: F811
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       layout) -> None:
+    """Issue 22 (10): a truncate landing after register checked the segment's size and before
+    the native mover mapped it answered ``internal: ValueError: mmap length is greater than
+    file size``. The one seam: the daemon's attach truncates the segment right after its
+    ``fstat``. Native: the register is ``invalid_layout``, reason ``segment_shrunk``; preadv
+    (nothing mapped at register): the first copy is. Either way the daemon then takes the
+    engine's register again and moves its bytes."""
+    from support import InProcessDaemon
+
+    from kvswap.protocol.shm import SharedSegment
+
+    cache = HostKVCache.create(layout)
+    full = cache.segment.size
+    original = SharedSegment.attach
+
+    def attach_then_shrink(cls, name, mapped=True):
+        segment = original(name, mapped)
+        os.ftruncate(segment.fd, 4096)  # the size register saw is the old one
+        return segment
+
+    try:
+        cache.fill_random(3)
+        expected = [cache.block_record(b) for b in range(2)]
+        with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+            monkeypatch.setattr(SharedSegment, "attach", classmethod(attach_then_shrink))
+            with pytest.raises(InvalidLayout) as err:
+                c.register(cache)
+                c.swap_out([0, 1], keys("t", 2), wait="persisted")  # preadv: the copy finds it shrunk
+            assert err.value.code == "invalid_layout"
+            assert err.value.details["reason"] == "segment_shrunk"
+            assert err.value.details["size"] == 4096 and err.value.details["needed"] > 4096
+            monkeypatch.setattr(SharedSegment, "attach", original)
+            registry = d.daemon.metrics.registry
+            op = "register" if copy_path == "native" else "swap_out"
+            assert wait_until(lambda: registry.get_sample_value("kvswap_errors_total",
+                                                                {"op": op, "code": "invalid_layout"}) == 1)
+            assert registry.get_sample_value("kvswap_errors_total", {"op": "register", "code": "internal"}) is None
+            _truncate(cache, full)  # zeros again, full size
+            cache.fill_random(3)
+            c.register(cache)
+            assert c.swap_out([0, 1], keys("t", 2), wait="persisted").stored == 2
+            cache.zero_blocks([6, 7])
+            assert c.swap_in(keys("t", 2), [6, 7]).loaded == 2
+            assert [cache.block_record(6), cache.block_record(7)] == expected
+    finally:
+        cache.close()
+
+
 def test_truncates_racing_swaps_never_crash_the_daemon(copy_path: str, daemon: DaemonProcess) -> None:  # noqa: F811
     """A truncate landing at any moment of a large swap_out or swap_in: every answer is a
     success or a typed error, the daemon stays up (no SIGBUS window), and every record stored

@@ -144,7 +144,11 @@ class SegmentMover:
                 if needed == 0:  # no region lives in it
                     bases.append(0)
                     continue
-                mapping = mmap.mmap(segment.fd, needed)  # MAP_SHARED, read-write
+                try:
+                    mapping = mmap.mmap(segment.fd, needed)  # MAP_SHARED, read-write
+                except (ValueError, OSError):  # truncated since register checked its size (issue 22)
+                    self.check_sizes()  # raises SegmentShrunk; any other mmap failure stays itself
+                    raise
                 self._maps.append(mapping)
                 self._map_views.append(np.frombuffer(mapping, dtype=np.uint8))
                 bases.append(self._map_views[-1].ctypes.data)
