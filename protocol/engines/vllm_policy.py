@@ -44,6 +44,12 @@ class DecayingLine:
     ``decay`` times less per newer one. Intercept and slope are kept non-negative: a cost.
 
     Worked example: samples (1, 3), (2, 5), (3, 7) with ``decay=1`` give slope 2, intercept 1.
+
+    >>> line = DecayingLine(decay=1.0)
+    >>> for x, y in [(1, 3), (2, 5), (3, 7)]:
+    ...     line.add(x, y)
+    >>> [round(v, 9) for v in line.fit()], round(line.predict(10), 9)
+    ([1.0, 2.0], 21.0)
     """
 
     def __init__(self, decay: float = 0.97) -> None:
@@ -86,6 +92,11 @@ class DecayingRatio:
     """``sum(y) / sum(x)`` with older samples weighing ``decay`` less per newer one.
 
     Worked example: samples (100, 0.2), (300, 0.4) with ``decay=1`` give 0.6 / 400 = 0.0015.
+
+    >>> ratio = DecayingRatio(decay=1.0)
+    >>> ratio.add(100, 0.2); ratio.add(300, 0.4)
+    >>> round(ratio.value(), 12)
+    0.0015
     """
 
     def __init__(self, decay: float = 0.97) -> None:
@@ -138,7 +149,18 @@ class LoadPolicy:
             self.recompute.add(tokens, seconds)
 
     def decide(self, blocks: int) -> Decision:
-        """Whether loading ``blocks`` blocks beats recomputing their tokens."""
+        """Whether loading ``blocks`` blocks beats recomputing their tokens.
+
+        >>> policy = LoadPolicy(block_size=16)
+        >>> policy.decide(1).reason
+        'learning'
+        >>> for blocks in (1, 2, 3):  # 10 ms a load plus 1 ms a block
+        ...     policy.observe_load(blocks, 0.010 + 0.001 * blocks)
+        ...     policy.observe_forward(32, 0.032)  # 1 ms a token: 16 ms a block
+        >>> d = policy.decide(2)
+        >>> d.load, d.reason, round(d.load_s, 6), round(d.recompute_s, 6)
+        (True, 'faster', 0.012, 0.032)
+        """
         if self.mode == "always":
             return Decision(True, "always")
         if self.load.count < MIN_SAMPLES or self.recompute.count < MIN_SAMPLES:
