@@ -183,3 +183,18 @@ def test_gc_progress_counts_every_file_and_a_clean_run_exits_0(tmp_path) -> None
     assert progress["done"] == 2 * 6 == 2 * files_under(tmp_path) + 2 * 2  # each file listed, then decided
     clean = CliRunner().invoke(main, ["gc", str(tmp_path), "--max-bytes", str(4 * FILE)])
     assert clean.exit_code == 0 and "removed 0 records" in clean.output
+
+
+def test_operations_md_names_every_option_and_exit_code_of_the_tools() -> None:
+    from pathlib import Path
+
+    from kvswap.daemon.tools.store_commands import gc, verify
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "operations.md").read_text()
+    section = text[text.index("### Offline tools"):text.index("### Capacity and eviction")]
+    options = {opt for command in (verify, gc) for p in command.params for opt in p.opts
+               if opt.startswith("--") and opt != "--json"}
+    assert options == {"--remove", "--max-record-bytes", "--max-bytes", "--all", "--dry-run"}
+    assert not [opt for opt in options if f"`{opt}" not in section]
+    assert all(f"**{code}**" in section for code in (0, 1, 2))
+    assert all(kind in section for kind in ("**record**", "**misplaced**", "**temp**", "**unknown**"))
