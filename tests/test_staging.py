@@ -115,3 +115,48 @@ def test_retake_resets_refcount():
     assert again is slot
     again.release()
     assert pool.free == 1
+
+
+def test_one_release_that_frees_room_for_every_waiting_read_wakes_them_all():
+    """Issue 22 (12d): swap_ins waiting in ``take_read`` for read slots, and one ``release``
+    that frees enough for all of them: every waiter gets its slots (a release that woke one
+    waiter would leave the others waiting with the slots free). The waiters are known to be
+    waiting when each has failed one take (nothing yields between that take and the wait)."""
+    import asyncio
+
+    from kvswap.daemon.metrics import Metrics
+    from kvswap.daemon.staging import Staging
+
+    staging = Staging(write_bytes=4096, read_bytes=6 * 4096, backends=[], metrics=Metrics())
+    staging.prepare(4096)
+    window = staging.read
+    assert window is not None and window.capacity == 6
+    refused = 0
+    take = window.try_take
+
+    def counting_take(count):
+        nonlocal refused
+        taken = take(count)
+        refused += taken is None
+        return taken
+
+    window.try_take = counting_take
+    wants = [1, 2, 1, 2]
+
+    async def main():
+        held = await staging.take_read(6)
+        waiters = [asyncio.ensure_future(staging.take_read(n)) for n in wants]
+        while refused < len(wants):  # each waiter tried once and is waiting now
+            await asyncio.sleep(0)
+        assert not any(w.done() for w in waiters) and window.free == 0
+        await staging.release(held)
+        return await asyncio.wait_for(asyncio.gather(*waiters), timeout=10)
+
+    got = asyncio.run(main())
+    assert [len(slots) for slots in got] == wants
+    assert len({slot.index for slots in got for slot in slots}) == 6
+    assert window.in_use == 6 and window.free == 0
+    for slots in got:
+        for slot in slots:
+            slot.release()
+    assert window.in_use == 0 and window.free == 6
