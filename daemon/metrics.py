@@ -65,7 +65,7 @@ class Metrics:
                          "hard limit at start-up).", registry=r)
         fd_limit.set_function(fds.soft_limit)
         self.http_refused = Counter("kvswap_http_refused", "Connections to the metrics port closed without an "
-                                    "answer, or answered 431: reason limit|deadline|too_large.", ["reason"],
+                                    "answer, or answered 431: reason evicted|limit|deadline|too_large.", ["reason"],
                                     registry=r)
         info = Gauge("kvswap_build_info", "Always 1; labels say which build runs.", ["version"], registry=r)
         info.labels(version=__version__).set(1)
@@ -139,6 +139,9 @@ class StoreCollector:
 #: Limits of the metrics HTTP server. Prometheus and a kubelet need a handful of connections
 #: at once; a peer that opens more, or sends its request slower than HEADER_DEADLINE_S, is
 #: cut off so it cannot hold descriptors (1,100 slowloris connections used to take them all).
+#: At the cap a new connection is still served: the oldest connection of the peer address
+#: holding the most is closed to make room (see HealthServer), so idle connections cannot
+#: starve the liveness probe.
 MAX_HTTP_CONNECTIONS = 64
 HEADER_DEADLINE_S = 5.0
 #: Request line and headers together; past it the answer is 431 (a Prometheus scrape sends
@@ -156,17 +159,27 @@ class HealthServer:
     """``/metrics``, ``/healthz`` (the process answers) and ``/readyz`` (it takes requests),
     on the daemon's own event loop, so a wedged loop shows as a failed probe.
 
-    Each connection gets one request and is closed. A connection past MAX_HTTP_CONNECTIONS, or
-    one that would leave fewer than ``fds.RESERVE`` descriptors free, is closed at once; the
-    request line and headers must arrive within HEADER_DEADLINE_S and MAX_HEAD_BYTES."""
+    Each connection gets one request and is closed; the request line and headers must arrive
+    within HEADER_DEADLINE_S and MAX_HEAD_BYTES. At most MAX_HTTP_CONNECTIONS are open at once,
+    and none that would leave fewer than ``fds.RESERVE`` descriptors free. A new connection
+    past either limit is not the one refused: the oldest open connection of the peer address
+    that holds the most is closed instead (``reason="evicted"``), so a peer that fills the port
+    with idle connections (a liveness probe used to get 0 answers in 20 with 70 held) only ever
+    pushes out its own, and on a shared address (loopback) the oldest first, whose header
+    deadline was nearest anyway. A new connection is refused only when there is nothing to
+    evict (the descriptors went elsewhere)."""
 
     def __init__(self, metrics: Metrics, ready: Callable[[], bool], budget: fds.FdBudget | None = None) -> None:
         self.metrics = metrics
         self.ready = ready
         self.budget = budget or fds.FdBudget()
-        self.active = 0
-        self._writers: set[asyncio.StreamWriter] = set()
+        #: Open connections, oldest first: writer -> (peer address, the task serving it).
+        self._open: dict[asyncio.StreamWriter, tuple[str, asyncio.Task | None]] = {}
         self._server: asyncio.base_events.Server | None = None
+
+    @property
+    def active(self) -> int:
+        return len(self._open)
 
     async def start(self, host: str, port: int) -> None:
         self._server = await asyncio.start_server(self._serve, host, port, reuse_address=True,
@@ -180,17 +193,34 @@ class HealthServer:
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-            for writer in list(self._writers):  # connections still open end now
+            for writer in list(self._open):  # connections still open end now
                 writer.transport.abort()
             await self._server.wait_closed()
 
+    def _evict(self) -> bool:
+        """Close the oldest connection of the peer address holding the most; False if none is open."""
+        if not self._open:
+            return False
+        counts: dict[str, int] = {}
+        for address, _ in self._open.values():
+            counts[address] = counts.get(address, 0) + 1
+        heaviest = max(counts.values())
+        victim = next(w for w, (address, _) in self._open.items() if counts[address] == heaviest)
+        _, task = self._open.pop(victim)
+        self.metrics.http_refused.labels(reason="evicted").inc()
+        victim.transport.abort()
+        if task is not None:
+            task.cancel()
+        return True
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self.active >= MAX_HTTP_CONNECTIONS or not self.budget.room():
-            self.metrics.http_refused.labels(reason="limit").inc()
-            writer.transport.abort()  # no answer: answering costs what the limit saves
-            return
-        self.active += 1
-        self._writers.add(writer)
+        if len(self._open) >= MAX_HTTP_CONNECTIONS or not self.budget.room():
+            if not self._evict():
+                self.metrics.http_refused.labels(reason="limit").inc()
+                writer.transport.abort()  # no answer: answering costs what the limit saves
+                return
+        peer = writer.get_extra_info("peername")
+        self._open[writer] = (str(peer[0]) if isinstance(peer, tuple) and peer else "", asyncio.current_task())
         try:
             try:
                 method, path = await asyncio.wait_for(self._read_head(reader), HEADER_DEADLINE_S)
@@ -206,10 +236,9 @@ class HealthServer:
         except (asyncio.TimeoutError, ConnectionError, UnicodeDecodeError):
             pass
         except asyncio.CancelledError:
-            pass  # the server is closing; this connection task ends here, quietly
+            pass  # evicted, or the server is closing; this connection task ends here, quietly
         finally:
-            self.active -= 1
-            self._writers.discard(writer)
+            self._open.pop(writer, None)  # gone already if it was evicted
             writer.close()
 
     async def _read_head(self, reader: asyncio.StreamReader) -> tuple[str, str]:
@@ -235,6 +264,10 @@ class HealthServer:
         return (parts[0] if parts else ""), path
 
     async def _respond(self, writer: asyncio.StreamWriter, method: str, answer: tuple[str, str, bytes]) -> None:
+        if writer.transport.is_closing():
+            # Evicted (a cancellation that raced the end of the read is not always delivered:
+            # 3.11's wait_for can return the result instead), or the peer is gone.
+            return
         status, ctype, body = answer
         head = (f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
                 "Connection: close\r\n\r\n").encode()
