@@ -39,6 +39,8 @@ class Metrics:
                                "were removed.", ["tier"], registry=r)
         self.write_failures = Counter("kvswap_write_failures", "Records that could not be written, by error code.",
                                       ["code"], registry=r)
+        self.late_copies = Counter("kvswap_late_copies", "Requests answered at their deadline while a copy of "
+                                   "engine memory had not stopped within 0.5 s (should stay 0).", registry=r)
         self.pending_writes = Gauge("kvswap_pending_writes", "Records copied from the engine and not yet written.",
                                     registry=r)
         self.registered = Gauge("kvswap_registered", "1 while an engine cache is registered.", registry=r)

@@ -53,7 +53,8 @@ from .metrics import HealthServer, Metrics
 from .registrar import Caller
 from .signals import SignalCapture
 from .staging import slot_bytes_for
-from .swapper import Deadline, Swapper
+from .deadline import Deadline
+from .swapper import Swapper
 from .tiers import open_backends, unready_locations
 
 log = logging.getLogger("kvswap.daemon")
@@ -395,15 +396,15 @@ class Daemon:
             done, _ = await asyncio.wait({work}, timeout=deadline.remaining())
         except asyncio.CancelledError:
             # Shutdown: the caller answers 'unavailable'. The work is not cancelled (its copy
-            # threads cannot be); it stops touching engine memory and finishes on its own.
-            deadline.expire()
+            # threads cannot be); it stops touching engine memory and finishes on its own. The
+            # answer waits until its copies have stopped (deadline.py).
             work.add_done_callback(_log_late_failure)
+            await self._stop_copies(deadline)
             raise
         if not done:
-            # Answer now; the work stops touching engine memory (deadline.live() is False) and
-            # cleans up after itself.
-            deadline.expire()
+            # Stop the copies, then answer; the work cleans up after itself.
             work.add_done_callback(_log_late_failure)
+            await self._stop_copies(deadline)
             log.warning("%s %d missed its deadline of %d ms", request.op, request.id, timeout_ms)
             return m.Reply(request.id, False, error=Timeout(f"{request.op} did not finish within {timeout_ms} ms",
                                                             timeout_ms=timeout_ms))
@@ -416,6 +417,12 @@ class Daemon:
         except Exception as exc:  # a bug: still answer, so the engine never waits forever
             log.exception("%s %d raised", request.op, request.id)
             return m.Reply(request.id, False, error=Internal(f"{type(exc).__name__}: {exc}"[:500]))
+
+    async def _stop_copies(self, deadline: Deadline) -> None:
+        """No byte moves from or into the engine's memory for a request after its answer:
+        stop its copies and wait for the one in progress to end (at its next row) first."""
+        if not await asyncio.shield(deadline.stop()):
+            self.metrics.late_copies.inc()
 
     def _handler(self, request: m.Request) -> Callable[[Any, Deadline], Awaitable[dict[str, Any]]]:
         return self._handlers[request.op]

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
@@ -38,6 +37,7 @@ from kvswap.protocol.errors import KvswapError, NotRegistered, Timeout
 
 from .config import Config
 from .data_threads import data_pool
+from .deadline import CopyGuard, Deadline
 from .inflight import InflightTable, InflightWrite
 from .metrics import Metrics
 from .movers.segment import SegmentShrunk
@@ -49,26 +49,6 @@ from .upkeep import Upkeep, log_failure
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class Deadline:
-    """When a request must be answered. Threads check ``live()`` before touching engine
-    memory, so a swap that timed out never writes into blocks the engine has reused."""
-
-    __slots__ = ("at", "_expired")
-
-    def __init__(self, timeout_s: float) -> None:
-        self.at = time.monotonic() + timeout_s
-        self._expired = False
-
-    def remaining(self) -> float:
-        return max(0.0, self.at - time.monotonic())
-
-    def expire(self) -> None:
-        self._expired = True
-
-    def live(self) -> bool:
-        return not self._expired and time.monotonic() < self.at
 
 
 class Swapper:
@@ -198,7 +178,7 @@ class Swapper:
 
         chunks, failure = await self._run(self._copy_pool, _gather_and_submit, registration,
                                           [block_ids[i] for i in todo], [e.slot.view for _, e in entries],
-                                          _live(registration, deadline), submit)
+                                          _guard(registration, deadline), submit)
         # The engine's memory is no longer needed (the writes read staging): a release need
         # not wait for them.
         lease.release()
@@ -293,7 +273,7 @@ class Swapper:
         # The host mover scatters each record on its read thread as soon as it is read (reads
         # and copies overlap); GPU movers want the wave in one call (one upload, one kernel).
         per_record = not registration.mover.batches_scatter
-        live = _live(registration, deadline)
+        live = _guard(registration, deadline)
         ram = _ram_first(tiers)
 
         async def load(indices: list[int]) -> None:
@@ -487,26 +467,32 @@ GATHER_CHUNK = 4
 READ_WAVE = 64
 
 
-def _live(registration: Registration, deadline: Deadline) -> Callable[[], bool]:
+def _guard(registration: Registration, deadline: Deadline) -> CopyGuard:
     """Whether a copy may go on touching the engine's memory: the request is within its
-    deadline and its registration is not being released."""
-    return lambda: deadline.live() and not registration.closing
+    deadline (and not being answered) and its registration is not being released."""
+    return CopyGuard(deadline, lambda: registration.closing)
 
 
 def _gather_and_submit(registration: Registration, block_ids: list[int], slots: list[Any],
-                       live: Callable[[], bool], submit: Callable[[int, int], Future]) -> tuple[list[tuple[int, int, Future]],
-                                                                       BaseException | None]:
+                       guard: CopyGuard, submit: Callable[[int, int], Future]) -> tuple[list[tuple[int, int, Future]],
+                                                                  BaseException | None]:
     """Gather blocks into their slots a chunk at a time and submit the chunk's writes as soon
     as it is copied, so copying block N+1 overlaps writing block N. Returns the chunks
     submitted as ``(start, stop, future)`` (fewer records than blocks when the deadline passed
     or a copy failed) and the failure. Never raises: submitted writes must stay accounted for,
-    since their slots may only be reused once they finish."""
+    since their slots may only be reused once they finish.
+
+    Each chunk is copied inside ``guard.copying()``, so the request's answer waits for it; a
+    chunk the deadline cut short is not submitted (its records are torn), and a chunk is
+    submitted only when its whole copy ended before the answer."""
     chunks: list[tuple[int, int, Future]] = []
     try:
         for start in range(0, len(block_ids), GATHER_CHUNK):
             stop = min(start + GATHER_CHUNK, len(block_ids))
-            if not registration.mover.gather_blocks(block_ids[start:stop], slots[start:stop], live):
-                break
+            with guard.copying() as allowed:
+                if not allowed or not registration.mover.gather_blocks(block_ids[start:stop], slots[start:stop],
+                                                                       guard):
+                    break
             chunks.append((start, stop, submit(start, stop)))
     except BaseException as exc:  # handed back to the loop, which answers with it
         return chunks, exc
@@ -538,11 +524,13 @@ def _ram_first(tiers: NamespaceTiers) -> HostPoolStore | None:
     return first if isinstance(first, HostPoolStore) else None
 
 
-def _scatter_many(registration: Registration, block_ids: list[int], slots: list[Any],
-                  live: Callable[[], bool]) -> bool:
+def _scatter_many(registration: Registration, block_ids: list[int], slots: list[Any], guard: CopyGuard) -> bool:
+    """Scatter records into engine blocks inside ``guard.copying()`` (the answer waits for it).
+    False if the copy was refused or cut short: the blocks' contents are then undefined."""
     if not block_ids:
         return True
-    return registration.mover.scatter_blocks(block_ids, slots, live)
+    with guard.copying() as allowed:
+        return allowed and registration.mover.scatter_blocks(block_ids, slots, guard)
 
 
 def _read_records(tiers: NamespaceTiers, items: list[tuple[str, Any, Any]]) -> list[str]:
@@ -551,7 +539,7 @@ def _read_records(tiers: NamespaceTiers, items: list[tuple[str, Any, Any]]) -> l
 
 
 def _read_record(tiers: NamespaceTiers, key: str, slot: Any,
-                 scatter_to: tuple[Registration, int, Callable[[], bool]] | None = None) -> str:
+                 scatter_to: tuple[Registration, int, CopyGuard] | None = None) -> str:
     """Read one record into ``slot``; with ``scatter_to``, also copy it into its engine block
     right here on the read thread."""
     status, _ = tiers.read(key, memoryview(slot))

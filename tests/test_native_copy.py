@@ -93,6 +93,55 @@ def test_copy_rows_refuses_a_table_that_is_not_rows(copy_rows) -> None:
         copy_rows("not a buffer")
 
 
+@pytest.mark.parametrize("flag_row", range(5))
+def test_copy_rows_reads_the_stop_flag_before_every_row(copy_rows, flag_row: int) -> None:
+    """Row ``flag_row`` itself raises the stop flag (it copies a 1 into it), as the loop raises
+    it at a deadline while the batch runs: that row ends, and no later row is started."""
+    src = np.arange(1, 5 * 64 + 1, dtype=np.uint64).astype(np.uint8)
+    dst = np.zeros(5 * 64, np.uint8)
+    stop, one = np.zeros(1, np.uint32), np.ones(1, np.uint32)
+    rows = [(src.ctypes.data + 64 * i, dst.ctypes.data + 64 * i, 64) for i in range(5)]
+    rows.insert(flag_row + 1, (one.ctypes.data, stop.ctypes.data, 4))
+    assert copy_rows(table(rows), stop) == flag_row + 2  # the rows before, and the flag's own
+    assert stop[0] == 1
+    assert dst[:64 * (flag_row + 1)].tobytes() == src[:64 * (flag_row + 1)].tobytes()
+    assert not dst[64 * (flag_row + 1):].any()
+    # Raised before the call: nothing is copied; without a flag, every row is.
+    assert copy_rows(table(rows), stop) == 0
+    assert copy_rows(table(rows)) == len(rows)
+
+
+def test_a_long_row_stops_within_a_mebibyte(copy_rows) -> None:
+    """A 4 MiB row is copied a MiB at a time with the flag read between pieces, so a stop waits
+    for one piece, not the row. The flag lives inside the destination, 1.5 MiB in, so the
+    second piece raises it."""
+    mib = 1 << 20
+    src = np.full(4 * mib, 7, np.uint8)
+    dst = np.zeros(4 * mib, np.uint8)
+    stop = dst[mib + mib // 2:mib + mib // 2 + 4].view(np.uint32)
+    assert copy_rows(table([(src.ctypes.data, dst.ctypes.data, 4 * mib)]), stop) == 0  # not whole
+    assert (dst[:2 * mib] == 7).all()
+    assert not dst[2 * mib:].any()
+
+
+def test_copy_rows_refuses_a_stop_flag_it_cannot_read(copy_rows) -> None:
+    rows = table([(0, 0, 0)])
+    with pytest.raises(ValueError):
+        copy_rows(rows, np.zeros(2, np.uint8))  # shorter than a uint32
+    with pytest.raises(ValueError):
+        copy_rows(rows, np.zeros(8, np.uint8)[1:5])  # not aligned
+    with pytest.raises(TypeError):
+        copy_rows(rows, "not a buffer")
+
+
+def test_a_helper_built_without_the_stop_flag_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stale build (an install not rebuilt since the flag came) would ignore it: use preadv."""
+    require_native()
+    from kvswap.daemon.movers import _fastcopy
+    monkeypatch.delattr(_fastcopy, "API_VERSION")
+    assert load_copy_rows(True) is None
+
+
 def test_a_fault_inside_a_copy_is_the_faulting_row(copy_rows) -> None:
     shm = Truncatable(64 * 4096)
     try:
@@ -185,16 +234,19 @@ def test_a_handler_installed_after_the_helper_does_not_break_the_guard(copy_rows
 
 
 def test_a_truncate_racing_native_copies_is_a_typed_error(copy_path: str) -> None:  # noqa: F811
-    """Gathers and scatters through a SegmentMover while another thread truncates the segment
-    at varying moments: every call copies the right bytes or raises SegmentShrunk, and the
-    process (this test) stays alive."""
+    """Gathers and scatters through a SegmentMover while the segment is truncated in the middle
+    of a batch, after its size was checked: at a fixed point per round (the mover asks ``live``
+    before each block's rows on the native path and before each region's chunk on the preadv
+    path, and this ``live`` truncates on its ``cut``-th call). Every round raises SegmentShrunk,
+    the blocks copied before the cut hold the right bytes, and the process stays alive."""
     layout = CacheLayout("race", num_layers=4, num_blocks=256, block_size=8, num_kv_heads=2, head_dim=32,
                          dtype="float16")
-    outcomes = {"ok": 0, "shrunk": 0}
+    regions = len(layout.regions)
     with HostKVCache.create(layout) as cache:
+        path = f"/dev/shm/{cache.segment.name}"
         full = cache.segment.size
         for rnd in range(12):
-            os.truncate(f"/dev/shm/{cache.segment.name}", full)
+            os.truncate(path, full)
             cache.fill_random(rnd)
             expected = [cache.block_record(b) for b in range(64)]
             body = cache.registration()
@@ -202,23 +254,23 @@ def test_a_truncate_racing_native_copies_is_a_typed_error(copy_path: str) -> Non
             mover = registration.mover
             assert mover.describe()["copy"] == copy_path
             slots = [np.zeros(layout.record_bytes, np.uint8) for _ in range(64)]
-            cut = threading.Timer(rnd % 6 * 0.001, os.truncate,
-                                  (f"/dev/shm/{cache.segment.name}", full // 3 if rnd % 2 else 0))
-            cut.start()
+            cut, calls = 1 + rnd * 5, [0]
+
+            def live() -> bool:
+                calls[0] += 1
+                if calls[0] == cut:
+                    os.truncate(path, full // 3 if rnd % 2 else 0)
+                return True
+
+            gather = rnd % 4 < 2
             try:
-                for start in range(0, 256, 64):
-                    blocks = list(range(start, start + 64))
-                    if rnd % 4 < 2:
-                        assert mover.gather_blocks(blocks, slots, lambda: True)
-                        if start == 0:
-                            assert [s.tobytes() for s in slots] == expected
-                    else:
-                        assert mover.scatter_blocks(blocks, slots, lambda: True)
-                outcomes["ok"] += 1
-            except SegmentShrunk as exc:
-                assert exc.details["reason"] == "segment_shrunk"
-                outcomes["shrunk"] += 1
+                with pytest.raises(SegmentShrunk) as raised:
+                    for start in range(0, 256, 64):
+                        blocks = list(range(start, start + 64))
+                        (mover.gather_blocks if gather else mover.scatter_blocks)(blocks, slots, live)
+                assert raised.value.details["reason"] == "segment_shrunk"
+                if gather:
+                    whole = (cut - 1) if copy_path == "native" else (cut - 1) // regions
+                    assert [s.tobytes() for s in slots[:whole]] == expected[:whole]
             finally:
-                cut.join()
                 registration.close()
-    assert outcomes["shrunk"] >= 1, outcomes

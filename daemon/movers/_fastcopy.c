@@ -14,6 +14,12 @@
  * reports the row. A fault anywhere else is not ours: the handler puts the previous disposition
  * back and lets the fault happen again, so real crashes stay crashes (and faulthandler, if it was
  * installed first, still prints its traceback).
+ *
+ * Stopping: a caller may pass a stop flag (a uint32 in memory it owns). The loop reads it before
+ * every row and every STOP_CHECK_BYTES of a long row, and returns early once it is set. The
+ * daemon sets it when a request's deadline passes and answers only after the copy has returned,
+ * so no row of a batch starts after the engine was told it may reuse its blocks (a batch checked
+ * only at its start ran on after the answer and stored torn KV that verified: issue 22).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -88,7 +94,13 @@ static int install_handler(void) {
 #define STREAM_MIN_BYTES (16 * 1024)
 #endif
 
-static void copy_row(char *dst, const char *src, size_t n) {
+/* A long row is copied in pieces of this size with the stop flag read between them, so a stop
+ * waits for at most one piece (about 0.1 ms at memcpy speed), whatever the layout's row size. */
+#ifndef STOP_CHECK_BYTES
+#define STOP_CHECK_BYTES (1024 * 1024)
+#endif
+
+static void copy_piece(char *dst, const char *src, size_t n) {
 #if defined(__SSE2__)
     if (n >= STREAM_MIN_BYTES) {
         /* Align the destination to 16 bytes (streaming stores need it), then 64 bytes a step. */
@@ -110,11 +122,32 @@ static void copy_row(char *dst, const char *src, size_t n) {
     memcpy(dst, src, n);
 }
 
-/* copy_rows(table) -> int: rows copied, or -(row + 1) for the row whose copy faulted. */
-static PyObject *copy_rows(PyObject *self, PyObject *arg) {
+static int stopped(const uint32_t *stop) {
+    return stop != NULL && __atomic_load_n(stop, __ATOMIC_ACQUIRE) != 0;
+}
+
+/* Copy one row, in pieces; 0 if the stop flag was seen set before the row was whole. */
+static int copy_row(char *dst, const char *src, size_t n, const uint32_t *stop) {
+    while (n > STOP_CHECK_BYTES) {
+        copy_piece(dst, src, STOP_CHECK_BYTES);
+        dst += STOP_CHECK_BYTES, src += STOP_CHECK_BYTES, n -= STOP_CHECK_BYTES;
+        if (stopped(stop))
+            return 0;
+    }
+    copy_piece(dst, src, n);
+    return 1;
+}
+
+/* copy_rows(table, stop=None) -> int: rows copied whole (fewer than the table's when the stop flag
+ * was set), or -(row + 1) for the row whose copy faulted. */
+static PyObject *copy_rows(PyObject *self, PyObject *args) {
     (void)self;
-    Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_C_CONTIGUOUS) != 0)
+    PyObject *table_arg, *stop_arg = Py_None;
+    if (!PyArg_ParseTuple(args, "O|O:copy_rows", &table_arg, &stop_arg))
+        return NULL;
+    Py_buffer view, stop_view;
+    const uint32_t *stop = NULL;
+    if (PyObject_GetBuffer(table_arg, &view, PyBUF_C_CONTIGUOUS) != 0)
         return NULL;
     if (view.len % (3 * sizeof(uint64_t)) != 0 || ((uintptr_t)view.buf % sizeof(uint64_t)) != 0) {
         PyBuffer_Release(&view);
@@ -122,7 +155,22 @@ static PyObject *copy_rows(PyObject *self, PyObject *arg) {
                                           "(src, dst, nbytes)");
         return NULL;
     }
+    if (stop_arg != Py_None) {
+        if (PyObject_GetBuffer(stop_arg, &stop_view, PyBUF_C_CONTIGUOUS) != 0) {
+            PyBuffer_Release(&view);
+            return NULL;
+        }
+        if (stop_view.len < (Py_ssize_t)sizeof(uint32_t) || ((uintptr_t)stop_view.buf % sizeof(uint32_t)) != 0) {
+            PyBuffer_Release(&stop_view);
+            PyBuffer_Release(&view);
+            PyErr_SetString(PyExc_ValueError, "stop must be an aligned buffer of at least one uint32");
+            return NULL;
+        }
+        stop = (const uint32_t *)stop_view.buf;
+    }
     if (install_handler() != 0) {
+        if (stop != NULL)
+            PyBuffer_Release(&stop_view);
         PyBuffer_Release(&view);
         return PyErr_SetFromErrno(PyExc_OSError);
     }
@@ -138,7 +186,8 @@ static PyObject *copy_rows(PyObject *self, PyObject *arg) {
         in_guarded_copy = 1;
         for (; row < count; row++) {
             const uint64_t *r = rows + 3 * row;
-            copy_row((char *)(uintptr_t)r[1], (const char *)(uintptr_t)r[0], (size_t)r[2]);
+            if (stopped(stop) || !copy_row((char *)(uintptr_t)r[1], (const char *)(uintptr_t)r[0], (size_t)r[2], stop))
+                break;
         }
 #if defined(__SSE2__)
         _mm_sfence(); /* streamed stores are weakly ordered: visible to other threads before we return */
@@ -149,17 +198,21 @@ static PyObject *copy_rows(PyObject *self, PyObject *arg) {
     }
     Py_END_ALLOW_THREADS
 
+    if (stop != NULL)
+        PyBuffer_Release(&stop_view);
     PyBuffer_Release(&view);
-    return PyLong_FromSsize_t(faulted ? -(row + 1) : count);
+    return PyLong_FromSsize_t(faulted ? -(row + 1) : row);
 }
 
 static PyMethodDef methods[] = {
-    {"copy_rows", copy_rows, METH_O,
-     "copy_rows(table) -> int\n\n"
+    {"copy_rows", copy_rows, METH_VARARGS,
+     "copy_rows(table, stop=None) -> int\n\n"
      "Copy each row (src address, dst address, nbytes) of a C-contiguous uint64 table, in order, "
-     "with the GIL released. Returns the number of rows, or -(row + 1) when reading or writing "
-     "row `row` faulted (SIGBUS/SIGSEGV); rows before it were copied, later ones were not. The "
-     "caller owns every address."},
+     "with the GIL released. `stop`, if given, is a buffer whose first uint32 is read before each "
+     "row and each MiB of a row: once it is non-zero the copy returns. Returns the number of rows "
+     "copied whole (fewer than the table's when stopped; the next row may be partly copied), or "
+     "-(row + 1) when reading or writing row `row` faulted (SIGBUS/SIGSEGV); rows before it were "
+     "copied, later ones were not. The caller owns every address."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -171,5 +224,11 @@ PyMODINIT_FUNC PyInit__fastcopy(void) {
     /* With the GIL held at import; copy_rows takes the signals back if someone replaces us. */
     if (install_handler() != 0)
         return PyErr_SetFromErrno(PyExc_OSError);
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    /* 2: copy_rows takes a stop flag. native.py refuses a stale build without it. */
+    if (m != NULL && PyModule_AddIntConstant(m, "API_VERSION", 2) != 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

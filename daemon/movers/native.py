@@ -13,7 +13,11 @@ from typing import Callable
 #: Set to ``0`` to use the pure-Python copy path even where the helper is built.
 ENV_VAR = "KVSWAP_NATIVE_COPY"
 
-CopyRows = Callable[[object], int]
+#: ``copy_rows(table, stop=None)``: see ``_fastcopy.c``.
+CopyRows = Callable[..., int]
+#: The helper's interface this code calls: 2 takes a stop flag. A helper built from older source
+#: (an install not rebuilt) would ignore the flag, so it is not used at all.
+API_VERSION = 2
 
 
 def load_copy_rows(enabled: bool | None = None) -> CopyRows | None:
@@ -24,7 +28,9 @@ def load_copy_rows(enabled: bool | None = None) -> CopyRows | None:
     if not enabled:
         return None
     try:
-        from ._fastcopy import copy_rows
+        from . import _fastcopy
     except ImportError:
         return None
-    return copy_rows
+    if getattr(_fastcopy, "API_VERSION", 1) != API_VERSION:
+        return None
+    return _fastcopy.copy_rows

@@ -36,6 +36,7 @@ import numpy as np
 from kvswap.protocol.errors import InvalidLayout, IOFailure, NotRegistered
 from kvswap.protocol.shm import SharedSegment
 
+from ..deadline import CopyGuard
 from .copy_plan import Placement
 from .native import load_copy_rows
 
@@ -170,9 +171,9 @@ class SegmentMover:
 
     def _copy_native(self, block_ids: Sequence[int], slots: Sequence[Any], live: Callable[[], bool],
                      to_engine: bool) -> bool:
-        """The whole batch as one row table (blocks x regions) and one guarded ``copy_rows``."""
-        if not live():
-            return False
+        """The whole batch as one row table (blocks x regions) and one guarded ``copy_rows``,
+        which reads the request's stop flag between rows. A plain ``live`` callable (no flag)
+        is checked before each block's rows instead."""
         blocks = np.asarray(block_ids, dtype=np.int64).reshape(-1)[:len(slots)]  # pairs, as zip() makes
         if len(blocks) == 0:
             return True
@@ -188,15 +189,31 @@ class SegmentMover:
         table[..., 0] = record if to_engine else engine
         table[..., 1] = engine if to_engine else record
         table[..., 2] = self._region_bytes
-        done = self._copy_rows(table)
-        if done >= 0:
+        done = self._copy_table(table.reshape(-1, 3), live)
+        if done == len(table) * len(self.placements):
             return True
+        if done >= 0:  # stopped between rows: the batch is not whole
+            return False
         row = -done - 1
         block = int(blocks[row // len(self.placements)])
         region = self.placements[row % len(self.placements)].name
         self.check_sizes()  # raises with the size it shrank to
         raise SegmentShrunk(f"shared memory faulted while copying block {block} (region {region}); it was "
                             "truncated and grown again", block_id=block, region=region)
+
+    def _copy_table(self, rows: np.ndarray, live: Callable[[], bool]) -> int:
+        """``copy_rows`` over ``rows``: rows copied whole, or ``-(row + 1)`` for a fault."""
+        assert self._copy_rows is not None
+        if isinstance(live, CopyGuard):
+            return self._copy_rows(rows, live.stop_flag)
+        per_block = len(self.placements)
+        for start in range(0, len(rows), per_block):
+            if not live():
+                return start
+            done = self._copy_rows(rows[start:start + per_block])
+            if done != min(per_block, len(rows) - start):
+                return -(start + (-done - 1) + 1)
+        return len(rows)
 
     def _record_array(self, slot: Any, writable: bool) -> np.ndarray:
         try:
@@ -210,14 +227,14 @@ class SegmentMover:
     def _copy_by_descriptor(self, block_ids: Sequence[int], slots: Sequence[Any], live: Callable[[], bool],
                             to_engine: bool) -> bool:
         for block, slot in zip(block_ids, slots):
-            if not live():
-                return False
             if not 0 <= block < self.num_blocks:
                 raise IndexError(f"block {block} is outside the registered cache")
             record = memoryview(slot).cast("B")
             if record.nbytes < self.record_bytes:
                 raise ValueError("a staging slot must be a contiguous buffer of one record")
             for fd, base, stride, nbytes, offset in self._chunks:
+                if not live():  # before each region's chunk: a stop waits for one system call
+                    return False
                 chunk = record[offset:offset + nbytes]
                 at = base + block * stride
                 try:
