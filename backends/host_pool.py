@@ -326,8 +326,8 @@ class HostPool:
         with writes of one request on several threads that can be records already kept."""
         held = lambda e: self._slots[self._index[e]].refs > 0  # noqa: E731
         while self._order.stranded:
-            entry = self._order.victim(skip=held)
-            if entry is None or not self._order.is_stranded(entry):
+            entry = self._order.stranded_victim(skip=held)  # the stranded ones only, not the heap
+            if entry is None:
                 return
             self._forget(self._slots[self._index[entry]], stranded=True)
 

@@ -299,6 +299,34 @@ def test_refused_records_cost_their_chain_not_the_whole_heap(tmp_path, monkeypat
     assert heap.calls <= 4 * len(keys), heap.calls  # the chain's length, not the store's size
 
 
+def test_refused_host_records_cost_their_chain_not_the_whole_heap(monkeypatch):
+    """The RAM tier's twin of the test above: its stranded-record drop under the pool's lock
+    asked the whole heap whenever every stranded record was held (a swap_in scattering from
+    them), popping and re-pushing every leaf per refused record."""
+    records = 2000
+    _, store = host_store(records + 64)  # room for all: no eviction needed on the way
+    for i in range(records):
+        store.put(f"old-{i}", payload(i))
+    store.put("head", payload(0))
+    keys = ["head"] + [f"k{i}" for i in range(40)]
+    store.expect_chain(keys)
+    for key in keys[30:]:  # written first by other write threads
+        store.put(key, payload(1))
+    held = [store.hold(k) for k in keys[30:]]  # a swap_in is reading the tail
+    assert store.delete("head")
+    heap = CountingHeap()
+    monkeypatch.setattr(chains, "heapq", heap)
+    for key in keys[1:30]:
+        with pytest.raises(NoSpace):
+            store.put(key, payload(2))
+    assert heap.calls <= 4 * len(keys), heap.calls
+    for slot in held:
+        slot.release()  # the held stranded records go when released
+    stats = store.stats()
+    assert not any(store.contains(k) for k in keys)
+    assert store.usage()["records"] == records and stats["unreachable"] == 0
+
+
 @pytest.mark.parametrize("tier", ["file", "host"])
 def test_rewriting_a_chains_head_under_pressure_keeps_the_chain(tmp_path, tier):
     """Issue 22 (12a), in the stores: the write of the head a evicts, and the victims must be
