@@ -190,7 +190,7 @@ def test_gc_dry_run_deletes_nothing_and_says_what_would_go(tmp_path: Path) -> No
     assert report["dry_run"] is True and report["removed"] == 4 and report["after_bytes"] == 2 * size
     assert all(os.path.exists(p) for p in paths)
     text = CliRunner().invoke(kvswap, ["gc", str(tmp_path), "--max-bytes", str(2 * size), "--dry-run"])
-    assert "would remove 4 records (dry run: nothing was deleted)" in text.output
+    assert "would remove 4 records (0.0 MiB) (dry run: nothing was deleted)" in text.output
     real = CliRunner().invoke(kvswap, ["gc", str(tmp_path), "--max-bytes", str(2 * size)])
     assert real.exit_code == 0 and "removed 4 records" in real.output
     assert [os.path.exists(p) for p in paths] == [False] * 4 + [True] * 2
