@@ -176,7 +176,10 @@ class Disk:
     def touch(self, path: str, mtime_ns: int | None = None) -> None:
         """Mark a record as used (its mtime: now, or the recency stamp given), so recency
         survives a restart."""
-        os.utime(path, ns=None if mtime_ns is None else (mtime_ns, mtime_ns))
+        if mtime_ns is None:
+            os.utime(path)
+        else:
+            os.utime(path, ns=(mtime_ns, mtime_ns))
 
     def remove(self, path: str) -> bool:
         try:
@@ -217,7 +220,7 @@ class Disk:
         except OSError:
             return False
         try:
-            return os.pwritev(fd, [block], 0) == PAGE_BYTES and os.preadv(fd, [block], 0) == PAGE_BYTES
+            return os.pwritev(fd, [block.data], 0) == PAGE_BYTES and os.preadv(fd, [block.data], 0) == PAGE_BYTES
         except OSError:
             return False
         finally:

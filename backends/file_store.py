@@ -521,4 +521,4 @@ class FileStore(Store):
 
 
 def _aligned(nbytes: int) -> memoryview:
-    return memoryview(aligned_empty(nbytes))
+    return aligned_empty(nbytes).data

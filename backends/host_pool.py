@@ -71,7 +71,7 @@ GROW_BYTES = 256 * 1024 * 1024
 _MADV_POPULATE_WRITE = 23
 try:
     _libc = ctypes.CDLL(None, use_errno=True)
-    _madvise = _libc.madvise
+    _madvise: Any = _libc.madvise
     _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 except (OSError, AttributeError):  # not Linux: touch the pages instead
     _madvise = None
@@ -520,13 +520,13 @@ class HostPoolBackend(Backend):
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:
             raise ValueError("host tier capacity must be a positive number of bytes")
-        self.capacity_bytes = capacity_bytes
+        self.capacity_bytes = self._capacity = capacity_bytes
         self.pool: HostPool | None = None
         self._stores: dict[str, HostPoolStore] = {}
         self._lock = threading.Lock()
 
     def cache_slots(self, slot_bytes: int) -> int:
-        return self.capacity_bytes // slot_bytes
+        return self._capacity // slot_bytes
 
     def attach(self, pool: HostPool) -> None:
         self.pool = pool

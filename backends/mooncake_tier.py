@@ -174,7 +174,7 @@ class MooncakeBackend(GatedHealth, Backend):
     def register_buffer(self, buf: memoryview | bytearray | np.ndarray) -> None:
         """Register memory the caller keeps alive (the daemon's staging pool), so records whose
         payload lies in it move without a copy. Registered now if connected, else on connect."""
-        view = memoryview(buf)
+        view = buf.data if isinstance(buf, np.ndarray) else memoryview(buf)
         if not view.c_contiguous:
             raise ValueError("only contiguous buffers can be registered")
         with self._lock:
@@ -183,7 +183,7 @@ class MooncakeBackend(GatedHealth, Backend):
             self._register_pending()
 
     def unregister_buffer(self, buf: memoryview | bytearray | np.ndarray) -> None:
-        addr = buffer_address(memoryview(buf))
+        addr = buffer_address(buf.data if isinstance(buf, np.ndarray) else memoryview(buf))
         with self._lock:
             self._regions = [r for r in self._regions if r[0] != addr]
             was_registered = addr in self._registered
@@ -290,7 +290,7 @@ class MooncakeStore(RemoteStoreBase):
             self._free.put(i)
 
     def _slot(self, i: int) -> memoryview:
-        return memoryview(self._arena)[i * self.stored_bytes:(i + 1) * self.stored_bytes]
+        return self._arena.data[i * self.stored_bytes:(i + 1) * self.stored_bytes]
 
     def _slot_addr(self, i: int) -> int:
         return self._arena_addr + i * self.stored_bytes

@@ -217,7 +217,8 @@ class RedisStore(RemoteStoreBase):
     def delete_many(self, keys: Iterable[str]) -> int:
         removed = 0
         for chunk in _batches(keys, KEY_BATCH):
-            removed += self.backend.call(lambda c, chunk=chunk: c.delete(*[self.rkey(k) for k in chunk]))
+            names = [self.rkey(k) for k in chunk]
+            removed += self.backend.call(lambda c: c.delete(*names))
             self._forget(chunk)
         return removed
 

@@ -44,7 +44,7 @@ class ByteSize(click.ParamType):
 
     name = "bytes"
 
-    def convert(self, value, param, ctx):  # type: ignore[override]
+    def convert(self, value, param, ctx):
         try:
             return parse_size(value)
         except ValueError as exc:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from kvswap.backends.base import Backend
 from kvswap.backends.disk import aligned_empty
@@ -104,8 +104,9 @@ class Staging:
         old, self.pool, self.write, self.read = self.pool, pool, write, read
         self.metrics.staging_slots.clear()
         for window in (write, read):
-            self.metrics.staging_slots.labels(pool=window.name, state="free").set_function(lambda w=window: w.free)
-            self.metrics.staging_slots.labels(pool=window.name, state="used").set_function(lambda w=window: w.in_use)
+            free, used = _reading(window)
+            self.metrics.staging_slots.labels(pool=window.name, state="free").set_function(free)
+            self.metrics.staging_slots.labels(pool=window.name, state="used").set_function(used)
         if old is not None:
             old.retire()  # unmapped now, or when the writes and reads holding its slots release them
 
@@ -211,3 +212,8 @@ class Staging:
                                 "available": self.pool.available, "slot_bytes": self.pool.slot_bytes,
                                 "growing": self._growing}
         return out
+
+
+def _reading(window: PoolWindow) -> tuple[Callable[[], float], Callable[[], float]]:
+    """Gauge callbacks for a window's free and used slot counts."""
+    return (lambda: window.free), (lambda: window.in_use)

@@ -89,9 +89,9 @@ class Swapper:
         self.upkeep.start()
         self.metrics.watch_stores(lambda: list(self.registrar.open_stores()))
         for tier, backend in self.backends.items():
-            self.metrics.stored_records.labels(tier=tier).set_function(lambda t=tier: self._usage(t, "records"))
-            self.metrics.stored_bytes.labels(tier=tier).set_function(lambda t=tier: self._usage(t, "bytes"))
-            self.metrics.tier_healthy.labels(tier=tier).set_function(lambda b=backend: float(b.healthy))
+            self.metrics.stored_records.labels(tier=tier).set_function(functools.partial(self._usage, tier, "records"))
+            self.metrics.stored_bytes.labels(tier=tier).set_function(functools.partial(self._usage, tier, "bytes"))
+            self.metrics.tier_healthy.labels(tier=tier).set_function(functools.partial(_healthy, backend))
 
     async def stop(self) -> None:
         await self.registrar.stop()
@@ -173,7 +173,7 @@ class Swapper:
         self.metrics.pending_writes.set(len(self._inflight))
 
         def submit(start: int, stop: int) -> Future:
-            items = [(key, memoryview(entry.slot.view)) for key, entry in entries[start:stop]]
+            items = [(key, entry.slot.view.data) for key, entry in entries[start:stop]]
             return self._write_pool.submit(_write_chunk, tiers, items)  # type: ignore[union-attr]
 
         chunks, failure = await self._run(self._copy_pool, _gather_and_submit, registration,
@@ -316,15 +316,16 @@ class Swapper:
                               [(keys[i], slot.view, (registration, block_ids[i], live) if per_record else None)
                                for i, slot in group])
                     for group in groups), return_exceptions=True)
+                read_groups: list[list[str]] = []
                 for result in grouped:
                     if isinstance(result, BaseException):
                         raise result
-                by_index = {i: result for group, results in zip(groups, grouped)
-                            for (i, _), result in zip(group, results)}
+                    read_groups.append(result)
+                by_index = {i: outcome for group, outcomes in zip(groups, read_groups)
+                            for (i, _), outcome in zip(group, outcomes)}
                 for i, slot in pairs:
-                    result = by_index[i]
-                    status[i] = result
-                    if result == "loaded" and not per_record:
+                    status[i] = by_index[i]
+                    if status[i] == "loaded" and not per_record:
                         sources[i] = slot
                 if ram_hits:
                     self._count_ram_hits(ram_hits, registration.record_bytes)
@@ -448,6 +449,10 @@ def _in_every_tier(tiers: NamespaceTiers, op: Callable[[Store], int]) -> int:
         except KvswapError as exc:
             log.warning("%s tier: %s", store.tier, exc.message)
     return max(counts)
+
+
+def _healthy(backend: Backend) -> float:
+    return float(backend.healthy)
 
 
 def _tier_stats(store: Store, backend: Backend) -> dict[str, Any]:

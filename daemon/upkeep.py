@@ -10,6 +10,7 @@ eviction or the swap pipeline.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 import time
@@ -84,7 +85,7 @@ class Upkeep:
             await self.registrar.release(registration, "engine_exited")
 
 
-def log_failure(fut: "asyncio.Future") -> None:
+def log_failure(fut: "asyncio.Future[Any] | concurrent.futures.Future[Any]") -> None:
     """Done-callback of background work (probes, chain touches): a failure is logged, not lost."""
     if not fut.cancelled() and fut.exception() is not None:
         log.warning("background task failed: %s", fut.exception())

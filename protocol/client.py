@@ -34,7 +34,7 @@ import itertools
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Sequence
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -46,6 +46,9 @@ from .limits import DEFAULT_TIMEOUT_MS
 #: Extra time a client waits beyond a request's deadline for the daemon's own answer.
 GRACE_S = 1.0
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:55500"
+
+#: The socket type a context makes (zmq.Socket, or zmq.asyncio.Socket for the asyncio client).
+S = TypeVar("S", bound=zmq.Socket)
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,7 @@ def _ops_register(cache: Any) -> Call:
 
 
 def _ops_swap_out(block_ids: Sequence[int], keys: Sequence[str], wait: str, partial: bool = False) -> Call:
-    body = {"block_ids": tuple(int(b) for b in block_ids), "keys": tuple(keys), "wait": wait}
+    body: dict[str, Any] = {"block_ids": tuple(int(b) for b in block_ids), "keys": tuple(keys), "wait": wait}
     if partial:
         body["partial"] = True
     return (m.SwapOut, body,
@@ -173,7 +176,7 @@ class _Base:
         request = cls(id=next(self._ids), timeout_ms=max(1, int(timeout * 1000)), **body)
         return request, timeout
 
-    def _socket(self, ctx: zmq.Context) -> zmq.Socket:
+    def _socket(self, ctx: zmq.Context[S]) -> S:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         # Queue only to a live connection: a request for a daemon that is down fails at once
@@ -354,7 +357,8 @@ class AsyncClient(_Base):
         future = asyncio.get_running_loop().create_future()
         self._waiters[request.id] = future
         try:
-            if not await self._sock.poll(int(min(timeout, 1.0) * 1000), zmq.POLLOUT):
+            # pyzmq's stub of the asyncio poll lacks its flags argument (zmq/_future.pyi).
+            if not await self._sock.poll(int(min(timeout, 1.0) * 1000), zmq.POLLOUT):  # type: ignore[call-arg]
                 raise Unavailable(f"kvswapd at {self.endpoint} is not reachable", endpoint=self.endpoint)
             await self._sock.send(frame)
             try:

@@ -418,7 +418,7 @@ def decode_request(frame: bytes) -> Request:
         if not isinstance(msg, dict):
             raise BadRequest("a request is a msgpack map")
         raw_id = msg.get("id")
-        if _valid_id(raw_id):
+        if isinstance(raw_id, int) and _valid_id(raw_id):
             request_id = raw_id
         else:
             raise BadRequest(f"id must be an integer in 0..{MAX_REQUEST_ID}", field="id")
@@ -449,6 +449,7 @@ def encode_reply(reply: Reply) -> bytes:
             raise  # a result msgpack cannot carry is the daemon's bug; the caller answers internal
         # An error's details repeat a peer's values, which can be beyond what msgpack carries
         # (a stride of 2**61 times a block count): say them as text, keep the error's code.
+        assert reply.error is not None
         msg["error"]["details"] = {str(k): str(v)[:MAX_ECHO_CHARS] for k, v in reply.error.details.items()}
         return _pack(msg)
 

@@ -23,7 +23,7 @@ def host_view(address: int, nbytes: int) -> np.ndarray:
     """A numpy view of ``nbytes`` of host memory at ``address`` (CPU twins only)."""
     if nbytes == 0:
         return np.empty(0, dtype=np.uint8)
-    return np.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=np.uint8)
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
 
 
 # -- copiers -----------------------------------------------------------------------------------

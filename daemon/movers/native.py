@@ -28,7 +28,7 @@ def load_copy_rows(enabled: bool | None = None) -> CopyRows | None:
     if not enabled:
         return None
     try:
-        from . import _fastcopy
+        from . import _fastcopy  # type: ignore[attr-defined]  # a C extension, built at install
     except ImportError:
         return None
     if getattr(_fastcopy, "API_VERSION", 1) != API_VERSION:

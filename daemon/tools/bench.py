@@ -236,7 +236,7 @@ def raw_sequential_gbps(directory: str, nbytes: int) -> tuple[float, float, bool
         fd, direct = _create_for_write(path, direct)
         t = time.perf_counter()
         for off in range(0, nbytes, CHUNK):
-            os.pwritev(fd, [buf], off)
+            os.pwritev(fd, [buf.data], off)
         if not direct:
             os.fdatasync(fd)
         write_s = time.perf_counter() - t
@@ -244,7 +244,7 @@ def raw_sequential_gbps(directory: str, nbytes: int) -> tuple[float, float, bool
         fd = os.open(path, os.O_RDONLY | (_O_DIRECT if direct else 0))
         t = time.perf_counter()
         for off in range(0, nbytes, CHUNK):
-            os.preadv(fd, [buf], off)
+            os.preadv(fd, [buf.data], off)
         read_s = time.perf_counter() - t
         os.close(fd)
     finally:
@@ -621,7 +621,7 @@ def plot_sweep(path: str, preset: str, block_sizes: list[int], blocks_bytes: int
 
     from . import presets
 
-    points = []
+    points: list[dict[str, Any]] = []
     base = dict(presets.PRESETS[preset][1])
     fsync = "none"
     for tokens in block_sizes:

@@ -37,13 +37,13 @@ def _plain_file_seconds(directory: str, nbytes: int) -> tuple[float, float]:
     try:
         t = time.perf_counter()
         with open(path, "wb", buffering=0) as f:
-            f.write(memoryview(data))
+            f.write(data.data)
         write_s = time.perf_counter() - t
         back = np.zeros_like(data)
         back.fill(1)  # fault the pages in before timing
         t = time.perf_counter()
         with open(path, "rb", buffering=0) as f:
-            f.readinto(memoryview(back))
+            f.readinto(back.data)
         read_s = time.perf_counter() - t
     finally:
         os.unlink(path)

@@ -213,7 +213,7 @@ class Launcher:
                 log.info("%s: forwarding it to the server", signal.Signals(sig).name)
                 self._signal_group(self.server, sig)
                 if deadline is None:
-                    escalation, deadline = list(ESCALATION[sig]), time.monotonic() + self.grace_s
+                    escalation, deadline = list(ESCALATION[signal.Signals(sig)]), time.monotonic() + self.grace_s
             elif deadline is not None and time.monotonic() >= deadline:
                 nxt = escalation.pop(0)
                 log.warning("the server is still running %.0f s after the last signal; sending it %s",

@@ -100,7 +100,7 @@ def diagnose_handshake(endpoint: str, timeout_s: float) -> str:
     import zmq
     from zmq.utils.monitor import recv_monitor_message
 
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if "://[" in endpoint:
@@ -394,16 +394,15 @@ def status(endpoint: str, as_json: bool, interval_s: float, metrics_url: str | N
     """
     from kvswap.protocol import Client, KvswapError
 
-    curve = {k: v for k, v in (("curve_server_key_file", curve_server_key_file),
-                               ("curve_secret_key_file", curve_secret_key_file)) if v}
     target = normalize_endpoint(endpoint)
     try:
-        with Client(target, timeout=timeout_s, **curve) as client:
+        with Client(target, timeout=timeout_s, curve_server_key_file=curve_server_key_file or None,
+                    curve_secret_key_file=curve_secret_key_file or None) as client:
             report = collect(client, interval_s, normalize_metrics_url(metrics_url) if metrics_url else None,
                              timeout_s)
     except KvswapError as exc:
         hint = ""
-        if exc.code in ("timeout", "unavailable") and not curve:
+        if exc.code in ("timeout", "unavailable") and not (curve_server_key_file or curve_secret_key_file):
             hint = {"curve": "; the daemon demands CURVE: pass --curve-server-key-file (its .key) and "
                              "--curve-secret-key-file (this client's .key_secret)",
                     "refused": "; nothing accepts connections there (is kvswapd running, on this port?)",
