@@ -1,5 +1,5 @@
-"""Layout conversion (kvswap.daemon.movers.copy_plan) executed by the host mover
-(kvswap.daemon.movers.host): the docstring's worked example byte for byte, then random layouts
+"""Layout conversion (kvswap.daemon.movers.copy_plan) executed by the reference host mover
+(tests/reference_mover.py): the docstring's worked example byte for byte, then random layouts
 and placements against a reference written independently here. Pure units, no daemon."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 
 from kvswap.daemon.movers.copy_plan import Copy, Placement, copy_plan, plan_arrays
-from kvswap.daemon.movers.host import HostMover
 from kvswap.protocol.layout import CacheLayout
 
 from layout_scenarios import Scenario, scenarios
+from reference_mover import HostMover
 
 # -- the worked example -----------------------------------------------------------------------
 

@@ -18,9 +18,9 @@ from kvswap.daemon.movers.copy_plan import Placement
 from kvswap.daemon.movers.kernels import ChunkKernels, CupyChunkRunner
 from kvswap.daemon.movers.copiers import CudaCopier
 from kvswap.daemon.movers.device import DeviceMover
-from kvswap.daemon.movers.host import HostMover
 from kvswap.daemon.staging import StagingPool
 from kvswap.protocol.cuda_export import CudaDriver, CudaError
+from reference_mover import HostMover
 from test_gpu_plans import KINDS, kind_layout
 
 

@@ -19,8 +19,8 @@ from kvswap.daemon.movers.copy_plan import Placement, copy_plan  # noqa: E402
 from kvswap.daemon.movers.device import DeviceMover
 from kvswap.daemon.movers.kernels import DLPackView, PaddleKernels, host_upload
 from kvswap.daemon.movers.copiers import HostCopier# noqa: E402
-from kvswap.daemon.movers.host import HostMover  # noqa: E402
 from kvswap.daemon.staging import StagingPool  # noqa: E402
+from reference_mover import HostMover  # noqa: E402
 from test_copy_plan import Scenario, _fill_engine, _reference_records, _region_contents, scenarios  # noqa: E402
 from test_gpu_plans import GATHER, KINDS, SCATTER, Engine  # noqa: E402
 

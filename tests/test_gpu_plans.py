@@ -30,9 +30,9 @@ from kvswap.daemon.movers.gpu_plan import (
     scatter_rows,
     slot_runs,
 )
-from kvswap.daemon.movers.host import HostMover
 from kvswap.daemon.registration import Registration
 from kvswap.protocol import CacheLayout, HostKVCache, InvalidLayout
+from reference_mover import HostMover
 from test_copy_plan import EXAMPLE, Scenario, _fill_engine, _reference_records, _region_contents, scenarios
 
 # -- layout kinds -----------------------------------------------------------------------------

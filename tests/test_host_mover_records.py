@@ -1,11 +1,13 @@
-"""The host mover's record-level calls, the ones the daemon runs for every swapped block
-(``HostMover.gather_blocks`` / ``scatter_blocks``), over random strided, interleaved and
+"""The reference host mover's record-level calls (``HostMover.gather_blocks`` /
+``scatter_blocks``, tests/reference_mover.py: the Mover interface every daemon mover
+implements), over random strided, interleaved and
 several-handle layouts, against a reference written here; and the mover's own bounds, with no
 ``Registration`` in front of it.
 
-Every daemon test registers a ``HostKVCache`` (one handle per region, stride == block bytes),
-so without these a mover that used the block size as the stride would scramble every strided
-engine cache (vLLM's CPU cache, FastDeploy's) while the suite stayed green. Pure units.
+The GPU movers and the shared-memory mover are checked against this mover, and every daemon
+test registers a ``HostKVCache`` (one handle per region, stride == block bytes): without these
+a reference that used the block size as the stride would agree with a mover scrambling every
+strided engine cache (vLLM's CPU cache, FastDeploy's) while the suite stayed green. Pure units.
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ import pytest
 from hypothesis import given, settings
 
 from kvswap.daemon.movers.copy_plan import Placement
-from kvswap.daemon.movers.host import HostMover
 
 from layout_scenarios import Scenario, scenarios
+from reference_mover import HostMover
 
 GUARD = 64  # bytes around every handle that no block owns; they must never change
 

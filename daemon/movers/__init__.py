@@ -2,9 +2,10 @@
 
 One interface (:class:`~.base.Mover`), two families:
 
-- :mod:`.host` — the engine's cache is host memory (POSIX shared memory): numpy/ctypes copies
-  planned by :mod:`.copy_plan`; :mod:`.segment` moves an engine's segment, through the native
-  fault-guarded copy of :mod:`.native` (``_fastcopy.c``) or ``preadv``/``pwritev``;
+- host memory — the engine's cache is a POSIX shared-memory segment, laid out as
+  :mod:`.copy_plan` models it: :mod:`.segment` moves it through the native fault-guarded copy
+  of :mod:`.native` (``_fastcopy.c``) or ``preadv``/``pwritev`` (the tests' plain numpy twin,
+  ``HostMover``, lives in ``tests/reference_mover.py``);
 - the GPU family — :mod:`.cuda_attach` opens an engine's CUDA IPC handles and builds a
   :class:`~.device.DeviceMover` from :mod:`.kernels` (device side) and :mod:`.copiers` (device
   to host), planned by :mod:`.gpu_plan` over the driver wrapper in :mod:`.cuda`.

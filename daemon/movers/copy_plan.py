@@ -1,8 +1,9 @@
 """Which bytes move where between the engine's cache and a staging buffer.
 
-This is the one place that decides layout conversion. The host mover executes a plan with
-memory copies; GPU movers execute the same plan with device copies, so the CPU tests of the
-plan cover them too.
+This is the one place that decides layout conversion. The shared-memory mover
+(:mod:`.segment`) copies each region chunk at the offsets a plan names; GPU movers execute the
+same plan with device copies, so the CPU tests of the plan (run by the tests' reference mover,
+``tests/reference_mover.py``) cover them too.
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
-"""Executes copy plans between host memory (shared-memory segments) and staging.
+"""The reference mover for tests: copy plans and record-level copies between host memory the
+test process addresses directly (numpy arrays) and staging.
 
-The record-level calls run on the daemon's copy thread for every swapped block, so they use
-``ctypes.memmove`` on addresses computed once per registration: one C call per region chunk,
-with the GIL released during the copy (the receive loop keeps answering), at a fraction of
-numpy slicing's per-call overhead. Every address is bounds-checked against the mapped buffers
-before the first byte moves. The plan-level ``gather``/``scatter`` keep numpy slicing: they
-take any plan and any arrays, and numpy checks every bound.
-
-It implements :class:`~.base.Mover`: ``gather_blocks(block_ids, slots, live)`` (engine -> one
-staging slot per block) and ``scatter_blocks(block_ids, slots, live)`` (back). ``live()`` is
-checked before each block so a request past its deadline stops touching engine memory. GPU
-movers implement the same calls with device copies from the same :func:`copy_plan`.
-
-This mover copies between memory the daemon can address directly (numpy arrays): it is the
-CPU twin the GPU movers are tested against, and what ``kvswap bench`` measures. An engine's
-shared-memory segment is moved by :class:`~.segment.SegmentMover`, which survives the engine
-truncating it (a fault-guarded native copy, or ``preadv`` on its descriptor).
+It is no part of the daemon, which moves an engine's shared-memory segment with
+:class:`~kvswap.daemon.movers.segment.SegmentMover` (fault-guarded native copy, or ``preadv``)
+and GPU memory with :class:`~kvswap.daemon.movers.device.DeviceMover`. Tests use it as the
+plain, obviously correct twin those movers are compared against: the plan-level
+``gather``/``scatter`` execute any :func:`~kvswap.daemon.movers.copy_plan.copy_plan` with numpy
+slicing (numpy checks every bound), and the record-level calls implement
+:class:`~kvswap.daemon.movers.base.Mover` with one ``ctypes.memmove`` per region chunk on
+addresses bounds-checked once. It moved here from ``kvswap.daemon.movers.host`` (issue 23: the
+package shipped it, but nothing in the daemon used it).
 """
 
 from __future__ import annotations
@@ -25,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .copy_plan import Copy, Placement
+from kvswap.daemon.movers.copy_plan import Copy, Placement
 
 
 class HostMover:
