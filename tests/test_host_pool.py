@@ -6,12 +6,14 @@ and a real daemon showing the RAM tier serving from the slot a swap_out gathered
 from __future__ import annotations
 
 import random
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from kvswap.backends.base import GetStatus
 from kvswap.backends.host_pool import HostPool, HostPoolBackend, PoolWindow
 from kvswap.protocol import Client, HostKVCache
 from kvswap.protocol.errors import NoSpace
@@ -155,6 +157,154 @@ def test_random_operations_keep_the_pool_consistent() -> None:
     for slot in held:
         slot.release()
     assert pool.available == pool.faulted and window.in_use == 0
+
+
+# -- the RAM tier as a store: what the old host tier (backends/host_tier.py, gone in issue 23)
+# was tested for, on the tier the daemon runs. Its checksum test has no port: a pool slot holds
+# bytes gathered from the engine or verified when read from a lower tier, and is never re-read
+# from anywhere a bit could rot.
+
+STORE_NS = "aa" * 16
+OTHER_NS = "bb" * 16
+
+
+def ram_tier(records: int) -> tuple[HostPool, HostPoolBackend]:
+    """A RAM tier over a pool of ``records`` slots in all (one of them the staging share a
+    pool must have; cached records may use it), every slot faulted in."""
+    backend = HostPoolBackend(records * 4096)
+    pool = HostPool(4096, staging_slots=1, cache_slots=records - 1)
+    pool.grow_all()
+    backend.attach(pool)
+    return pool, backend
+
+
+def record_bytes(seed: int) -> memoryview:
+    return memoryview(np.random.default_rng(seed).integers(0, 256, size=4096, dtype=np.uint8).tobytes())
+
+
+def test_store_round_trips_and_a_miss_leaves_the_buffer_alone() -> None:
+    pool, backend = ram_tier(10)
+    store = backend.open_store(STORE_NS, {}, 4096)
+    assert store.put("k0", record_bytes(0)) == 4096
+    assert store.put_many([("k1", record_bytes(1)), ("k2", record_bytes(2))]) == [4096, 4096]
+    out = memoryview(bytearray(b"\xee" * 4096))
+    assert store.get_into("k1", out) is GetStatus.LOADED and bytes(out) == bytes(record_bytes(1))
+    assert store.get_into("nope", out) is GetStatus.MISS and bytes(out) == bytes(record_bytes(1))
+    assert store.usage() == {"records": 3, "bytes": 3 * 4096}
+    stats = store.stats()
+    assert (stats["hits"], stats["misses"], stats["evictions"]) == (1, 1, 0)
+    assert store.contains_prefix(["k0", "k1", "x", "k2"]) == 2
+    outs = [memoryview(bytearray(4096)) for _ in range(3)]
+    assert store.get_many(["k2", "k0", "x"], outs) == [GetStatus.LOADED, GetStatus.LOADED, GetStatus.MISS]
+    assert [bytes(o) for o in outs[:2]] == [bytes(record_bytes(2)), bytes(record_bytes(0))]
+    with pytest.raises(ValueError):
+        store.put("short", memoryview(bytes(4095)))
+    assert not store.contains("short") and pool.problems() == []
+
+
+def test_a_replaced_key_is_counted_once_and_reads_its_new_bytes() -> None:
+    pool, backend = ram_tier(10)
+    store = backend.open_store(STORE_NS, {}, 4096)
+    store.put("k", record_bytes(0))
+    store.put("k", record_bytes(1))
+    out = memoryview(bytearray(4096))
+    assert store.get_into("k", out) is GetStatus.LOADED and bytes(out) == bytes(record_bytes(1))
+    assert store.usage() == {"records": 1, "bytes": 4096} and pool.records[STORE_NS] == 1
+    assert pool.available == pool.capacity and pool.problems() == []
+
+
+def test_a_read_makes_a_record_recent_and_a_contains_does_not() -> None:
+    """Records no chain links are all leaves: the least recent goes first. The daemon's lookup
+    touches its hit prefix explicitly (touch_chain); a bare ``contains`` must not."""
+    pool, backend = ram_tier(3)
+    store = backend.open_store(STORE_NS, {}, 4096)
+    for i, key in enumerate("abc"):
+        store.put(key, record_bytes(i))
+    assert store.get_into("a", memoryview(bytearray(4096))) is GetStatus.LOADED  # a: most recent
+    store.put("d", record_bytes(3))
+    assert [store.contains(k) for k in "abcd"] == [True, False, True, True]  # b went
+    assert store.contains("c")  # a lookup's contains does not make c recent...
+    store.put("e", record_bytes(4))
+    assert [store.contains(k) for k in "acde"] == [True, False, True, True]  # ...so c went next
+    assert store.stats()["evictions"] == 2 and pool.records[STORE_NS] == 3
+    out = memoryview(bytearray(4096))
+    assert store.get_into("a", out) is GetStatus.LOADED and bytes(out) == bytes(record_bytes(0))
+    assert pool.problems() == []
+
+
+def test_the_tier_never_holds_more_records_than_its_slots() -> None:
+    pool, backend = ram_tier(5)
+    store = backend.open_store(STORE_NS, {}, 4096)
+    for i in range(20):
+        store.put(f"k{i}", record_bytes(i))
+        assert pool.records[STORE_NS] <= pool.capacity
+    assert store.usage()["records"] == 5 and store.stats()["evictions"] == 15
+    assert store.contains_prefix([f"k{i}" for i in range(15, 20)]) == 5
+    assert pool.problems() == []
+
+
+def test_namespaces_share_the_pool_but_not_their_records() -> None:
+    pool, backend = ram_tier(4)
+    a = backend.open_store(STORE_NS, {}, 4096)
+    b = backend.open_store(OTHER_NS, {}, 4096)
+    assert backend.open_store(STORE_NS, {}, 4096) is a
+    a.put("k", record_bytes(1))
+    b.put("k", record_bytes(2))
+    out = memoryview(bytearray(4096))
+    assert a.get_into("k", out) is GetStatus.LOADED and bytes(out) == bytes(record_bytes(1))
+    assert b.get_into("k", out) is GetStatus.LOADED and bytes(out) == bytes(record_bytes(2))
+    b.put_many([(f"b{i}", record_bytes(10 + i)) for i in range(3)])  # pushes a's record out
+    assert (a.contains("k"), a.stats()["evictions"], b.stats()["evictions"]) == (False, 1, 0)
+    assert b.clear() == 4 and a.usage() == {"records": 0, "bytes": 0} and b.usage()["records"] == 0
+    a.put_many([("x", record_bytes(3)), ("y", record_bytes(4))])
+    b.put("x", record_bytes(5))
+    assert (a.delete("x"), a.delete("x"), b.contains("x")) == (True, False, True)
+    assert a.delete_many(["y", "zz"]) == 1
+    assert pool.problems() == []
+
+
+def test_concurrent_writers_readers_and_deleters_keep_the_pool_consistent() -> None:
+    pool, backend = ram_tier(40)
+    stores = [backend.open_store(STORE_NS, {}, 4096), backend.open_store(OTHER_NS, {}, 4096)]
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        rng = random.Random(t)
+        try:
+            for _ in range(300):
+                n = rng.randrange(80)
+                store, key = stores[n % 2], f"k{n}"
+                action = rng.random()
+                if action < 0.5:
+                    try:
+                        store.put(key, record_bytes(n))
+                    except NoSpace:  # every slot held by readers at that instant: the tier's answer
+                        pass
+                elif action < 0.9:
+                    out = memoryview(bytearray(4096))
+                    status = store.get_into(key, out)
+                    # Every writer stores the same bytes for a key, so any hit is exactly them.
+                    assert status is GetStatus.MISS or bytes(out) == bytes(record_bytes(n)), status
+                else:
+                    store.delete(key)
+                assert sum(pool.records.values()) <= pool.capacity
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert pool.problems() == [] and pool.available == pool.capacity  # nothing left held
+    assert sum(s.stats()["evictions"] for s in stores) > 0
+    assert sum(s.usage()["records"] for s in stores) == sum(pool.records.values()) <= pool.capacity
+    for store in stores:
+        for n in range(80):
+            out = memoryview(bytearray(4096))
+            if store.get_into(f"k{n}", out) is GetStatus.LOADED:
+                assert store is stores[n % 2] and bytes(out) == bytes(record_bytes(n))
 
 
 def test_daemon_serves_a_ram_hit_from_the_pool_without_the_file(tmp_path: Path, cache: HostKVCache) -> None:
