@@ -173,7 +173,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         if args.stats_file:
             extra["stats_file"] = args.stats_file
         kv_transfer = KVTransferConfig(kv_connector="KvswapConnector",
-                                       kv_connector_module_path="kvswap.protocol.engines.vllm_connector",
+                                       kv_connector_module_path="kvswap.engines.vllm.connector",
                                        kv_role="kv_both", kv_load_failure_policy="recompute",
                                        kv_connector_extra_config=extra)
     return LLM(model=args.model, skip_tokenizer_init=True, dtype="bfloat16",
@@ -205,7 +205,7 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[dict[s
 
 def arm_kill(pid: int) -> None:
     """Test seam: SIGKILL ``pid`` right after the next lookup that finds stored blocks."""
-    from kvswap.protocol.engines import vllm_connector
+    from kvswap.engines.vllm import connector as vllm_connector
 
     original = vllm_connector.SchedulerSide._lookup
 

@@ -1,9 +1,10 @@
 """The project's modules import each other without a cycle (issue 11: remote.py and the
 Redis/Mooncake adapters imported each other).
 
-Every ``import`` and ``from ... import`` statement of every module under daemon/, backends/
-and protocol/ is read with ``ast`` — at any depth, so an import inside a function (the way the
-old loop hid) counts as much as one at the top; only ``if TYPE_CHECKING:`` blocks are left out,
+Every ``import`` and ``from ... import`` statement of every module of the package (daemon/,
+backends/ and protocol/ at the top, the packages that live inside kvswap/) is read with
+``ast`` — at any depth, so an import inside a function (the way the old loop hid) counts as
+much as one at the top; only ``if TYPE_CHECKING:`` blocks are left out,
 since they never run. Relative imports are resolved against the importing module's package.
 ``from package import name`` is an edge to ``package.name`` when that is a module of ours,
 else to the package itself. Python's implicit import of parent packages is not an edge: a
@@ -18,19 +19,44 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("daemon", "backends", "protocol")
+#: Folder (from the repository root) -> the package it is. The three code folders sit at the top
+#: (DESIGN.md; kvswap/ links to them); the packages of issue 23 are directories inside kvswap/.
+PACKAGES = {
+    "daemon": "kvswap.daemon",
+    "backends": "kvswap.backends",
+    "protocol": "kvswap.protocol",
+    "kvswap/engines": "kvswap.engines",
+}
+
+#: What each package must not import: DESIGN.md's layout table, and issue 23's one owner per
+#: job. protocol is the wire protocol an engine imports; engines the adapters inside an engine;
+#: testing (helpers of the tests and benchmarks) is imported by nothing of the package.
+FORBIDDEN = {
+    "kvswap.protocol": ("kvswap.engines", "kvswap.backends", "kvswap.daemon", "kvswap.testing"),
+    "kvswap.engines": ("kvswap.backends", "kvswap.daemon", "kvswap.testing"),
+    "kvswap.backends": ("kvswap.engines", "kvswap.daemon", "kvswap.testing"),
+    "kvswap.daemon": ("kvswap.engines", "kvswap.testing"),
+}
+
+#: The one exception: modules left at an old path for a release, each importing only from its
+#: new place (protocol/engines/vllm_connector.py: vLLM configs name that path; goes in 0.2.0).
+SHIMS = {"kvswap.protocol.engines.vllm_connector": "kvswap.engines.vllm.connector"}
 
 
 def module_files(root: Path) -> dict[str, Path]:
-    """``kvswap.<folder>.<...>`` -> file, for every .py file under the three code folders."""
+    """``kvswap.<package>.<...>`` -> file, for every .py file of the packages above."""
     modules = {}
-    for folder in PACKAGES:
+    for folder, package in PACKAGES.items():
         for path in sorted((root / folder).rglob("*.py")):
-            parts = ["kvswap", *path.relative_to(root).with_suffix("").parts]
+            parts = [*package.split("."), *path.relative_to(root / folder).with_suffix("").parts]
             if parts[-1] == "__init__":
                 parts.pop()
             modules[".".join(parts)] = path
     return modules
+
+
+def within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -108,16 +134,39 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_project_has_no_import_cycle():
     graph = import_graph(ROOT)
     assert len(graph) > 40 and "kvswap.backends.remote" in graph  # the walk found the modules
+    assert "kvswap.engines.vllm.connector" in graph
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
-def test_protocol_imports_nothing_of_daemon_or_backends():
+def test_every_package_of_the_layout_table_is_walked():
+    graph = import_graph(ROOT)
+    for package in PACKAGES.values():
+        assert any(within(name, package) for name in graph), f"no module of {package} found"
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_each_package_imports_only_what_its_layer_may(package):
+    """protocol imports nothing of daemon or backends (an engine imports protocol alone), nor the
+    engines; engines nothing of daemon or backends; common nothing of the package at all."""
     graph = import_graph(ROOT)
     for name, targets in graph.items():
-        if name.startswith("kvswap.protocol"):
-            bad = sorted(t for t in targets if t.startswith(("kvswap.daemon", "kvswap.backends")))
+        if within(name, package):
+            allowed = {SHIMS[name]} if name in SHIMS else set()
+            bad = sorted(t for t in targets - allowed if any(within(t, f) for f in FORBIDDEN[package]))
             assert not bad, f"{name} imports {bad}"
+
+
+@pytest.mark.parametrize("shim, target", sorted(SHIMS.items()))
+def test_a_shim_imports_only_its_new_place_and_names_it_defines(shim, target):
+    """A shim left at an old path re-exports what its new module defines, and nothing else of ours."""
+    modules = module_files(ROOT)
+    assert import_graph(ROOT)[shim] == {target}
+    defined = {node.name for node in ast.parse(modules[target].read_text()).body
+               if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+    imported = {alias.asname or alias.name for node in ast.parse(modules[shim].read_text()).body
+                if isinstance(node, ast.ImportFrom) and node.module == target for alias in node.names}
+    assert imported and imported <= defined, f"{shim} re-exports {sorted(imported - defined)} that {target} lacks"
 
 
 def _write(root: Path, files: dict[str, str]) -> None:

@@ -9,20 +9,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvswap.protocol.engines.vllm_plan import (
+from kvswap.engines.vllm.plan import (
     Backoff,
     blocks_to_save,
     keys_for,
     loadable_blocks,
     resolve_endpoints,
 )
-from kvswap.protocol.engines.vllm_policy import (
+from kvswap.engines.vllm.policy import (
     MIN_SAMPLES,
     DecayingLine,
     DecayingRatio,
     LoadPolicy,
 )
-from kvswap.protocol.engines.vllm_stats import percentile
+from kvswap.engines.vllm.stats import percentile
 from kvswap.protocol.errors import InvalidKey, Timeout
 
 # -- estimates -----------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ def test_percentile_nearest_rank() -> None:
 
 
 def test_stats_file_is_private_json_with_lookup_percentiles(tmp_path) -> None:
-    from kvswap.protocol.engines.vllm_stats import ConnectorStats
+    from kvswap.engines.vllm.stats import ConnectorStats
 
     path = tmp_path / "stats.json"
     stats = ConnectorStats(str(path))

@@ -1,6 +1,6 @@
-"""Engine adapters: code that runs inside an inference engine and talks to kvswapd.
+"""The vLLM connector's old home: it moved to :mod:`kvswap.engines.vllm` (issue 23), since
+``kvswap.protocol`` is the wire protocol alone.
 
-Each adapter imports its engine's packages (vLLM, torch) only when it is used, so
-``kvswap.protocol`` keeps importing with numpy alone. ``vllm_connector`` is vLLM's
-``KVConnectorBase_V1`` plug-in; see docs/integration.md.
+Only ``vllm_connector`` stays here, as a shim, because vLLM configs name it
+(``kv_connector_module_path``). The package goes in kvswap 0.2.0.
 """

@@ -1,6 +1,6 @@
 """The worker side of the vLLM connector: the KV cache in shared memory and registered with
 kvswapd, loads before the forward, saves after it; and the metadata the scheduler side sends
-it each step. See :mod:`.vllm_connector` for the whole."""
+it each step. See :mod:`.connector` for the whole."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from ..client import Client
-from ..errors import InvalidLayout, KvswapError, NotRegistered
-from ..messages import SwapOut
-from .vllm_memory import CacheFacts, SharedKVAllocation, build_registration
-from .vllm_plan import Backoff, resolve_endpoints
+from kvswap.protocol.client import Client
+from kvswap.protocol.errors import InvalidLayout, KvswapError, NotRegistered
+from kvswap.protocol.messages import SwapOut
+
+from .memory import CacheFacts, SharedKVAllocation, build_registration
+from .plan import Backoff, resolve_endpoints
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -8,8 +8,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..client import DEFAULT_ENDPOINT
-from ..errors import KvswapError
+from kvswap.protocol.client import DEFAULT_ENDPOINT
+from kvswap.protocol.errors import KvswapError
 
 
 def resolve_endpoints(extra: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> list[str]:

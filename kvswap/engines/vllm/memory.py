@@ -25,9 +25,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidLayout
-from ..layout import CacheLayout
-from ..shm import SharedSegment
+from kvswap.protocol.errors import InvalidLayout
+from kvswap.protocol.layout import CacheLayout
+from kvswap.protocol.shm import SharedSegment
 
 #: Under vLLM's logger, so these lines land in the engine's log with its own.
 log = logging.getLogger("vllm.kvswap")

@@ -1,0 +1,296 @@
+"""kvswap as vLLM's KV store: a ``KVConnectorBase_V1`` loaded out of tree.
+
+    --kv-transfer-config '{"kv_connector": "KvswapConnector",
+        "kv_connector_module_path": "kvswap.engines.vllm.connector",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}'
+
+Scheduler side (:class:`SchedulerSide`): for a new request, ``lookup`` the engine's chained
+block hashes past what the engine's own prefix cache holds; claim the stored prefix as an
+external hit only when the load policy (:mod:`.policy`) expects loading to beat
+recomputing; plan a ``swap_in`` into the blocks vLLM allocates, and a ``swap_out`` of every
+block the step completes.
+
+Worker side (:class:`WorkerSide`): the KV cache is allocated in shared memory
+(:mod:`.memory`) and registered without a copy; loads run before the forward
+(``swap_in``), saves are sent after it (``swap_out(wait="copied")``) and their replies
+collected at the start of the next step, before vLLM zeroes or reuses a block
+(``handle_preemptions``): the copy overlaps the step's output and the next schedule, and the
+write to storage continues in the daemon. A load that does not fully land
+reports its blocks through ``get_block_ids_with_load_errors``, so vLLM (with
+``kv_load_failure_policy="recompute"``) recomputes them instead of attending to garbage.
+Any kvswap error is a miss or a skipped save: the engine never fails a request for it.
+
+The daemon: ``kv_connector_extra_config["endpoint"]`` (one endpoint, or a list in rank
+order), else ``KVSWAP_ENDPOINTS`` as ``kvswap launch`` sets it (rank i -> i-th), else
+``tcp://127.0.0.1:55500``. The other ``kv_connector_extra_config`` keys (``load_policy``,
+``timeout_s``, ``lookup_timeout_s``, ``connect_timeout_s``, ``retry_s``, ``model_id``,
+``stats_file``) are listed in docs/integration.md.
+
+vLLM and torch are imported here, at import time: this module is only imported by vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvswap.protocol.client import Client
+from kvswap.protocol.errors import KvswapError
+
+from .plan import (
+    Backoff,
+    blocks_to_save,
+    keys_for,
+    loadable_blocks,
+    resolve_endpoints,
+)
+from .policy import LoadPolicy
+from .stats import ConnectorStats
+from .worker import KvswapMetadata, KvswapWorkerMetadata, Transfer, WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+#: Under vLLM's logger, so these lines land in the engine's log with its own.
+log = logging.getLogger("vllm.kvswap")
+
+
+class KvswapConnector(KVConnectorBase_V1):
+    """The class vLLM instantiates, once per role; each role's work lives in its own object."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler: SchedulerSide | None = SchedulerSide(vllm_config, extra)
+            self.worker: WorkerSide | None = None
+        else:
+            self.scheduler = None
+            self.worker = WorkerSide(vllm_config, kv_cache_config, extra)
+
+    # -- worker side -------------------------------------------------------------------------------
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker:
+            self.worker.begin_step()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # vLLM calls this at the start of every step, before it zeroes new blocks or frees
+        # preempted ones: the last step's saves must be copied by then.
+        if self.worker:
+            self.worker.settle()
+
+    def get_mem_pool_context(self):
+        return self.worker.memory_context() if self.worker else None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.worker:
+            self.worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self.worker:
+            self.worker.start_step(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # every load finished in start_load_kv, before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # saves are whole blocks after the forward, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        if self.worker and self.has_connector_metadata():
+            self.worker.end_step(self._get_connector_metadata())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors() if self.worker else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker.take_report() if self.worker else None
+
+    # -- scheduler side ----------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.scheduler is not None and isinstance(connector_output.kv_connector_worker_meta, KvswapWorkerMetadata):
+            self.scheduler.take_report(connector_output.kv_connector_worker_meta)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.scheduler is not None:
+            self.scheduler.finished(request.request_id)
+        # Saves are copied before the next step touches any block (WorkerSide.settle), so the
+        # blocks may be freed now.
+        return False, None
+
+    def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
+        if self.worker is not None:
+            self.worker.close()
+
+
+# -- scheduler side ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Tracked:
+    """A request the scheduler plans transfers for."""
+
+    request: Any
+    block_ids: list[int] = field(default_factory=list)
+    #: Leading blocks known stored (loaded, found in the engine's cache, or saved).
+    saved: int = 0
+
+
+class SchedulerSide:
+    def __init__(self, vllm_config: VllmConfig, extra: dict[str, Any]) -> None:
+        cache = vllm_config.cache_config
+        self.block_size = cache.block_size
+        hash_block_size = getattr(cache, "hash_block_size", None) or self.block_size
+        if self.block_size % hash_block_size:
+            raise ValueError(f"block size {self.block_size} is not a multiple of the hash block size {hash_block_size}")
+        self.hashes_per_block = self.block_size // hash_block_size
+        timeout = float(extra.get("timeout_s", 5.0))
+        self.lookup_timeout = float(extra.get("lookup_timeout_s", 1.0))
+        self.backoff = Backoff(float(extra.get("retry_s", 5.0)))
+        tp_size = vllm_config.parallel_config.tensor_parallel_size
+        endpoints = resolve_endpoints(extra)[:tp_size]
+        # Every rank's daemon must hold a block for the load to land everywhere: ask all.
+        self.clients = [Client(e, timeout=timeout) for e in endpoints]
+        self.policy = LoadPolicy(self.block_size, str(extra.get("load_policy", "when_faster")))
+        self.stats = ConnectorStats(extra.get("stats_file"))
+        self._pending: dict[str, tuple[int, int]] = {}  # req_id -> (first block, blocks to load)
+        self._loads: list[Transfer] = []
+        self._tracked: dict[str, _Tracked] = {}
+        log.info("kvswap connector (scheduler): daemons %s, load policy %s", ", ".join(endpoints), self.policy.mode)
+
+    def _keys(self, request: Any) -> list[str]:
+        return keys_for(request.block_hashes, self.hashes_per_block)
+
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        self._pending.pop(request.request_id, None)
+        keys = self._keys(request)
+        usable = loadable_blocks(len(keys), request.num_tokens, self.block_size)
+        first = num_computed_tokens // self.block_size
+        if first >= usable:
+            return 0
+        hits = self._lookup(keys[first:usable])
+        if hits == 0:
+            return 0
+        decision = self.policy.decide(hits)
+        self.stats.decision(decision.reason, hits * self.block_size)
+        if not decision.load:
+            return 0
+        self._pending[request.request_id] = (first, hits)
+        return hits * self.block_size
+
+    def _lookup(self, keys: list[str]) -> int:
+        if not self.backoff.open:
+            return 0
+        t = time.perf_counter()
+        hits = len(keys)
+        try:
+            for client in self.clients:
+                hits = min(hits, client.lookup(keys, timeout=self.lookup_timeout))
+                if hits == 0:
+                    break
+        except KvswapError as exc:
+            self.stats.error("lookup", exc)
+            self.backoff.failed(exc)
+            hits = 0
+        self.stats.lookup(time.perf_counter() - t, len(keys), hits)
+        return hits
+
+    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
+        plan = self._pending.pop(request.request_id, None)
+        if num_external_tokens <= 0 or plan is None:
+            return
+        first, _ = plan
+        count = num_external_tokens // self.block_size
+        keys = self._keys(request)[first:first + count]
+        self._loads.append(Transfer(request.request_id, keys, list(block_ids[first:first + count])))
+        tracked.saved = max(tracked.saved, first + count)
+
+    def build_meta(self, out: SchedulerOutput) -> KvswapMetadata:
+        meta = KvswapMetadata(loads=self._loads, step_tokens=out.total_num_scheduled_tokens)
+        self._loads = []
+        for new in out.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is None:
+                continue
+            tracked.block_ids = list(new.block_ids[0])
+            # What the step starts from is already stored (loaded) or in the engine's cache.
+            tracked.saved = max(tracked.saved, new.num_computed_tokens // self.block_size)
+            self._plan_save(meta, tracked, new.num_computed_tokens + out.num_scheduled_tokens[new.req_id])
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                tracked.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                tracked.block_ids.extend(new_ids[0])
+            self._plan_save(meta, tracked, cached.num_computed_tokens[i] + out.num_scheduled_tokens[req_id])
+        return meta
+
+    def _plan_save(self, meta: KvswapMetadata, tracked: _Tracked, computed_after: int) -> None:
+        """Save the blocks this step fills, once the forward has computed them."""
+        keys = self._keys(tracked.request)
+        todo = blocks_to_save(tracked.saved, computed_after, self.block_size, len(keys), len(tracked.block_ids))
+        if todo:
+            meta.saves.append(Transfer(tracked.request.request_id, keys[todo.start:todo.stop],
+                                       tracked.block_ids[todo.start:todo.stop]))
+            tracked.saved = todo.stop
+
+    def take_report(self, report: KvswapWorkerMetadata) -> None:
+        for blocks, seconds in report.load_samples:
+            self.policy.observe_load(blocks, seconds)
+        for tokens, seconds in report.forward_samples:
+            self.policy.observe_forward(tokens, seconds)
+        self.stats.worker(report, self.block_size)
+
+    def finished(self, req_id: str) -> None:
+        self._tracked.pop(req_id, None)
+        self._pending.pop(req_id, None)
+        self.stats.maybe_write(self.policy)
+
+    def close(self) -> None:
+        self.stats.write(self.policy)
+        log.info("kvswap connector (scheduler): %s", json.dumps(self.stats.summary(self.policy)))
+        for client in self.clients:
+            client.close()
