@@ -1,7 +1,7 @@
 """What an engine needs to talk to kvswapd: the wire protocol, its typed errors, the cache
 layout and the clients. Imports with numpy, msgpack and pyzmq alone (no paddle)."""
 
-from .client import AsyncClient, Client, SwapInResult, SwapOutResult
+from .client import AsyncClient, Client
 from .errors import (
     ERRORS_BY_CODE,
     BadRequest,
@@ -24,6 +24,7 @@ from .errors import (
 )
 from .host_cache import HostKVCache
 from .layout import CacheLayout, Region
+from .results import SwapInResult, SwapOutResult
 
 __all__ = [
     "AsyncClient",

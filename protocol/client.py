@@ -33,7 +33,6 @@ import contextlib
 import itertools
 import os
 import time
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import zmq
@@ -42,6 +41,7 @@ import zmq.asyncio
 from . import messages as m
 from .errors import KvswapError, Timeout, Unavailable
 from .limits import DEFAULT_TIMEOUT_MS
+from .results import SwapInResult, SwapOutResult
 
 #: Extra time a client waits beyond a request's deadline for the daemon's own answer.
 GRACE_S = 1.0
@@ -49,27 +49,6 @@ DEFAULT_ENDPOINT = "tcp://127.0.0.1:55500"
 
 #: The socket type a context makes (zmq.Socket, or zmq.asyncio.Socket for the asyncio client).
 S = TypeVar("S", bound=zmq.Socket)
-
-
-@dataclass(frozen=True)
-class SwapOutResult:
-    #: Per key: "queued" (copied; write pending), "stored" (persisted), "exists" (already
-    #: stored, in flight or repeated in this request), "skipped" (partial request, no staging
-    #: left), or an error code when its write failed.
-    status: list[str]
-    queued: int
-    stored: int
-    exists: int
-    failed: int
-    skipped: int = 0
-
-
-@dataclass(frozen=True)
-class SwapInResult:
-    #: How many leading keys were loaded into their blocks: the usable prefix.
-    loaded: int
-    #: Per key: "loaded", "miss", "corrupt" (found but failed its check; removed) or "error".
-    status: list[str]
 
 
 # -- one builder per op: the request and how to read its result, shared by both clients ------
@@ -94,14 +73,11 @@ def _ops_swap_out(block_ids: Sequence[int], keys: Sequence[str], wait: str, part
     body: dict[str, Any] = {"block_ids": tuple(int(b) for b in block_ids), "keys": tuple(keys), "wait": wait}
     if partial:
         body["partial"] = True
-    return (m.SwapOut, body,
-            lambda r: SwapOutResult(r["status"], r["queued"], r["stored"], r["exists"], r["failed"],
-                                    r.get("skipped", 0)))
+    return m.SwapOut, body, SwapOutResult.from_wire
 
 
 def _ops_swap_in(keys: Sequence[str], block_ids: Sequence[int]) -> Call:
-    return (m.SwapIn, {"keys": tuple(keys), "block_ids": tuple(int(b) for b in block_ids)},
-            lambda r: SwapInResult(r["loaded"], r["status"]))
+    return m.SwapIn, {"keys": tuple(keys), "block_ids": tuple(int(b) for b in block_ids)}, SwapInResult.from_wire
 
 
 def _keys_op(cls: type[m.Request], field: str) -> Callable[[Iterable[str]], Call]:

@@ -25,6 +25,7 @@ MODULES = (
     "kvswap.engines.vllm.plan",
     "kvswap.engines.vllm.policy",
     "kvswap.engines.vllm.stats",
+    "kvswap.protocol.results",
     "kvswap.protocol.units",
 )
 
