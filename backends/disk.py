@@ -16,8 +16,8 @@ from typing import Final, Sequence
 
 import numpy as np
 
+from kvswap.common.units import PAGE_BYTES
 from kvswap.protocol.errors import Corrupt
-from kvswap.protocol.units import PAGE_BYTES
 
 FSYNC_MODES: Final = ("none", "data", "strict")
 DIRECT_IO_MODES: Final = ("auto", "on", "off")
@@ -38,18 +38,6 @@ def listdir_or_empty(path: str) -> list[str]:
         return os.listdir(path)
     except (FileNotFoundError, NotADirectoryError):
         return []
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on this host (one owned by another user counts).
-    The one liveness check: the daemon's engine watch and the temp-file reclaim use it."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def try_flock(path: str) -> int | None:

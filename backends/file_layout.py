@@ -10,7 +10,9 @@ from typing import Final, Iterator
 
 import xxhash
 
-from .disk import Disk, listdir_or_empty, pid_alive
+from kvswap.common.processes import pid_alive
+
+from .disk import Disk, listdir_or_empty
 
 RECORD_SUFFIX: Final = ".kvr"
 TMP_SUFFIX: Final = ".tmp"

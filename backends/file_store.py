@@ -46,8 +46,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Container, Final, Iterator, Sequence
 
+from kvswap.common.units import PAGE_BYTES
 from kvswap.protocol.errors import Corrupt, IOFailure, NoSpace
-from kvswap.protocol.units import PAGE_BYTES
 
 from . import record
 from .base import Backend, GetStatus, Store

@@ -57,7 +57,7 @@ from typing import Any, Callable, Container, Iterable, Sequence
 import numpy as np
 
 from kvswap.protocol.errors import NoSpace
-from kvswap.protocol.units import round_up_to_page
+from kvswap.common.units import round_up_to_page
 
 from .base import Backend, GetStatus, Store
 from .chains import ChainOrder

@@ -31,10 +31,10 @@ from typing import Final
 
 import xxhash
 
+from kvswap.common.units import PAGE_BYTES
 from kvswap.protocol.errors import Corrupt
 from kvswap.protocol.layout import RECORD_FORMAT
 from kvswap.protocol.limits import MAX_KEY_LENGTH
-from kvswap.protocol.units import PAGE_BYTES
 
 MAGIC: Final = b"KVSR"
 #: One constant for the format: it is in every header and in every namespace fingerprint, so a

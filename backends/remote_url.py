@@ -9,7 +9,7 @@
 
 A URL that is not one of these raises :class:`RemoteConfigError` (a ``ValueError``) naming the
 valid forms. Sizes (``segment``, ``buffer``) follow the one size rule of
-:func:`kvswap.protocol.units.parse_size`, the same as the daemon's size flags.
+:func:`kvswap.common.units.parse_size`, the same as the daemon's size flags.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Final
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from kvswap.protocol.units import SIZE_EXAMPLES, parse_size
+from kvswap.common.units import SIZE_EXAMPLES, parse_size
 
 VALID_FORMS: Final = (
     "redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?timeout=S&connect_timeout=S&max_connections=N]",
@@ -198,7 +198,7 @@ def _positive_int(query: dict[str, str], name: str, default: int) -> int:
 
 
 def _size(query: dict[str, str], name: str, default: int) -> int:
-    """A size setting, by the one size rule (:func:`kvswap.protocol.units.parse_size`)."""
+    """A size setting, by the one size rule (:func:`kvswap.common.units.parse_size`)."""
     if name not in query:
         return default
     try:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 from kvswap.backends.file_store import DIRECT_IO_MODES, FSYNC_MODES
 from kvswap.protocol.limits import DEFAULT_TIMEOUT_MS
-from kvswap.protocol.units import PAGE_BYTES
+from kvswap.common.units import PAGE_BYTES
 
 MiB = 1024 * 1024
 

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit, urlunsplit
 import click
 from click.core import ParameterSource
 
-from kvswap.protocol.units import parse_size
+from kvswap.common.units import parse_size
 
 try:
     import tomllib
@@ -39,7 +39,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 #: The size type of kvswapd's flags. It lives here, not in cli.py, because a file's size values
 #: are type-checked against it below and cli.py imports this module (no import cycle).
 class ByteSize(click.ParamType):
-    """A size as :func:`kvswap.protocol.units.parse_size` reads it (the rule remote URLs use
+    """A size as :func:`kvswap.common.units.parse_size` reads it (the rule remote URLs use
     too): ``268435456``, ``256M``, ``256MiB`` and ``256MB`` all mean 256 * 2**20 bytes."""
 
     name = "bytes"

@@ -13,10 +13,10 @@ import logging
 import secrets
 from typing import TYPE_CHECKING, Any, Sequence
 
-from kvswap.backends.disk import pid_alive
+from kvswap.common.processes import pid_alive
+from kvswap.common.shm import SharedSegment
 from kvswap.protocol.errors import InvalidLayout, NotRegistered, OutOfRange
 from kvswap.protocol.layout import CacheLayout, int_field
-from kvswap.protocol.shm import SharedSegment
 
 from .movers.base import Mover
 from .movers.copy_plan import Placement

@@ -25,7 +25,7 @@ from kvswap.backends.disk import aligned_empty
 from kvswap.backends.host_pool import HostPool, HostPoolBackend, PoolWindow
 from kvswap.backends.host_pool import PoolSlot as Slot
 from kvswap.protocol.errors import Busy, TooLarge
-from kvswap.protocol.units import round_up_to_page
+from kvswap.common.units import round_up_to_page
 
 from .data_threads import data_pool
 from .metrics import Metrics

@@ -13,9 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from kvswap.common.shm import SharedSegment
+from kvswap.common.units import round_up_to_page
+
 from .layout import CacheLayout
-from .shm import SharedSegment
-from .units import round_up_to_page
 
 NUMPY_DTYPES = {"float16": np.float16, "bfloat16": np.uint16, "uint8": np.uint8, "float32": np.float32}
 

@@ -20,13 +20,14 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Modules with doctest examples, none needing vllm, torch or a GPU to import.
 MODULES = (
     "kvswap.backends.remote_url",
+    "kvswap.common.processes",
+    "kvswap.common.units",
     "kvswap.daemon.tools.launcher",
     "kvswap.daemon.tools.status",
     "kvswap.engines.vllm.plan",
     "kvswap.engines.vllm.policy",
     "kvswap.engines.vllm.stats",
     "kvswap.protocol.results",
-    "kvswap.protocol.units",
 )
 
 

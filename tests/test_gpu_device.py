@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvswap.common.cuda_driver import CudaDriver, CudaError
 from kvswap.daemon.movers.copy_plan import Placement
 from kvswap.daemon.movers.kernels import ChunkKernels, CupyChunkRunner
 from kvswap.daemon.movers.copiers import CudaCopier
 from kvswap.daemon.movers.device import DeviceMover
 from kvswap.daemon.staging import StagingPool
-from kvswap.protocol.cuda_export import CudaDriver, CudaError
 from reference_mover import HostMover
 from test_gpu_plans import KINDS, kind_layout
 

@@ -11,20 +11,16 @@ import sys
 import numpy as np
 import pytest
 
+from kvswap.common.cuda_driver import NO_DRIVER, CudaDriver, CudaError, CUipcMemHandle, format_uuid
 from kvswap.daemon.registration import Registration
 from kvswap.protocol import CacheLayout, Client, HostKVCache, InvalidLayout
 from kvswap.protocol import messages as m
 from kvswap.protocol.cuda_export import (
-    NO_DRIVER,
     Allocation,
-    CudaDriver,
-    CudaError,
-    CUipcMemHandle,
     DeviceTensor,
     build_cuda_registration,
     describe_tensor,
     export_cuda_cache,
-    format_uuid,
     region_tensors,
 )
 from kvswap.protocol.limits import MAX_MESSAGE_BYTES, MAX_REGIONS

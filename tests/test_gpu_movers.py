@@ -12,13 +12,13 @@ from typing import Iterator
 import numpy as np
 import pytest
 
+from kvswap.common.cuda_driver import CudaError
 from kvswap.daemon.movers.kernels import ChunkKernels, NumpyChunkRunner
 from kvswap.daemon.movers.copiers import CudaCopier, HostCopier, host_view
 from kvswap.daemon.movers.device import DeviceMover
 from kvswap.daemon.movers.gpu_plan import AddressSpace
 from kvswap.daemon.staging import StagingPool
 from kvswap.protocol import KvswapError
-from kvswap.protocol.cuda_export import CudaError
 from test_gpu_plans import GATHER, KINDS, Engine
 
 PAGE = 4096

@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvswap.common.shm import SharedSegment, check_name
 from kvswap.protocol.errors import InvalidLayout
 from kvswap.protocol.host_cache import HostKVCache
 from kvswap.protocol.layout import CacheLayout
 from kvswap.protocol.messages import Register, decode_request, encode_request
-from kvswap.protocol.shm import SharedSegment, check_name
 
 SHM = Path("/dev/shm")
 pytestmark = pytest.mark.skipif(not SHM.is_dir(), reason="needs /dev/shm")

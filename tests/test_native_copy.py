@@ -18,11 +18,11 @@ from copy_paths import copy_path, require_native  # noqa: F401 (copy_path is a f
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvswap.common.shm import SharedSegment
 from kvswap.daemon.movers.native import load_copy_rows
 from kvswap.daemon.movers.segment import SegmentShrunk
 from kvswap.daemon.registration import Registration
 from kvswap.protocol import CacheLayout, HostKVCache
-from kvswap.protocol.shm import SharedSegment
 
 
 @pytest.fixture(scope="module")

@@ -391,7 +391,7 @@ def test_a_segment_truncated_while_register_maps_it_is_invalid_layout(copy_path:
     engine's register again and moves its bytes."""
     from support import InProcessDaemon
 
-    from kvswap.protocol.shm import SharedSegment
+    from kvswap.common.shm import SharedSegment
 
     cache = HostKVCache.create(layout)
     full = cache.segment.size

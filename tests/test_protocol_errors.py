@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvswap.common import errors as common_errors
 from kvswap.protocol import errors
 from kvswap.protocol.errors import (
     ERRORS_BY_CODE,
@@ -69,9 +70,11 @@ def test_table_maps_each_wire_code_to_its_class() -> None:
 
 def test_every_error_class_defined_in_the_module_is_in_the_table() -> None:
     # A subclass that is not in the table would be answered with its code but rebuilt by the
-    # client as the bare root class.
-    defined = {c for c in _all_subclasses(KvswapError) if c.__module__ == errors.__name__}
+    # client as the bare root class. The classes are defined in kvswap.common.errors (the
+    # low-level code both sides share raises them) and re-exported by kvswap.protocol.errors.
+    defined = {c for c in _all_subclasses(KvswapError) if c.__module__ == common_errors.__name__}
     assert defined == set(ERRORS_BY_CODE.values())
+    assert all(getattr(errors, c.__name__) is c for c in defined | {KvswapError})
     for code, cls in ERRORS_BY_CODE.items():
         assert cls.code == code
         assert issubclass(cls, KvswapError)

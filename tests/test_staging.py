@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvswap.common.units import PAGE_BYTES
 from kvswap.daemon.staging import StagingPool, aligned_empty, slot_bytes_for
-from kvswap.protocol.units import PAGE_BYTES
 
 
 def test_aligned_empty_is_aligned_and_sized():

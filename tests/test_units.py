@@ -1,4 +1,4 @@
-"""The one size rule and the one page size (kvswap.protocol.units), and that the daemon's size
+"""The one size rule and the one page size (kvswap.common.units), and that the daemon's size
 flags and the remote URL read sizes the same way."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvswap.backends.remote_url import RemoteConfigError, parse_remote_url
+from kvswap.common.units import PAGE_BYTES, SIZE_UNITS, parse_size, round_up_to_page
 from kvswap.daemon.cli import BYTES
 from kvswap.daemon.staging import StagingPool, slot_bytes_for
-from kvswap.protocol.units import PAGE_BYTES, SIZE_UNITS, parse_size, round_up_to_page
 
 
 @pytest.mark.parametrize("text, expected", [

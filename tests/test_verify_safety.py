@@ -15,9 +15,9 @@ import pytest
 
 from kvswap.backends import file_tools, record
 from kvswap.backends.file_store import FileBackend
+from kvswap.common.units import PAGE_BYTES
 from kvswap.daemon.config import Config
 from kvswap.protocol.layout import CacheLayout
-from kvswap.protocol.units import PAGE_BYTES
 
 LAYOUT = CacheLayout("m-cc", num_layers=1, num_blocks=8, block_size=8, num_kv_heads=2, head_dim=32)
 RECORD = LAYOUT.record_bytes  # 2048

@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
+from kvswap.common.shm import SharedSegment
 from kvswap.protocol import CacheLayout, Client, InvalidLayout
-from kvswap.protocol.shm import SharedSegment
 
 
 def _packed(**over) -> CacheLayout:

@@ -7,8 +7,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvswap.protocol.cuda_export import CudaError
-from kvswap.protocol.units import PAGE_BYTES
+from kvswap.common.cuda_driver import CudaError
+from kvswap.common.units import PAGE_BYTES
 
 from .gpu_plan import (
     SlotRun,

@@ -2,7 +2,7 @@
 2D copies and pinned host memory.
 
 Only the driver (``libcuda.so.1``) is used, through the same ctypes binding the engine side
-exports with (:class:`kvswap.protocol.cuda_export.CudaDriver`). Paddle and CuPy run the
+exports with (:class:`kvswap.common.cuda_driver.CudaDriver`). Paddle and CuPy run the
 kernels; the driver does what neither exposes the same way: opening IPC handles, checking
 allocation sizes, host registration and pitched copies. All of it happens in the device's
 primary context, which paddle and CuPy use too, so addresses and streams are shared.
@@ -15,7 +15,8 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-from kvswap.protocol.cuda_export import (
+from kvswap.common.cuda_driver import (
+    CU_MEMORYTYPE_DEVICE,
     CU_MEMORYTYPE_HOST,
     CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
     CudaDriver,
@@ -29,7 +30,6 @@ log = logging.getLogger(__name__)
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
 CU_STREAM_NON_BLOCKING = 0x1
 CU_MEMHOSTREGISTER_PORTABLE = 0x1
-CU_MEMORYTYPE_DEVICE = 2
 CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 
 

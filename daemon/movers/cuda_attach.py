@@ -16,7 +16,7 @@ from typing import Any, Final, Sequence
 
 import numpy as np
 
-from kvswap.protocol.cuda_export import CudaDriver, CudaError
+from kvswap.common.cuda_driver import CudaDriver, CudaError
 from kvswap.protocol.errors import InvalidLayout
 from kvswap.protocol.layout import CacheLayout
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, Final, Sequence
 
 import numpy as np
 
-from kvswap.protocol.cuda_export import CudaError
+from kvswap.common.cuda_driver import CudaError
 from kvswap.protocol.errors import InvalidLayout
 
 from .copy_plan import Placement, plan_arrays

@@ -33,8 +33,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from kvswap.common.shm import SharedSegment
 from kvswap.protocol.errors import InvalidLayout, IOFailure, NotRegistered
-from kvswap.protocol.shm import SharedSegment
 
 from ..deadline import CopyGuard
 from .copy_plan import Placement

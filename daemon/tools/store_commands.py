@@ -15,7 +15,7 @@ from typing import Callable, TypeVar
 import click
 
 from kvswap.backends import file_tools
-from kvswap.protocol.units import PAGE_BYTES
+from kvswap.common.units import PAGE_BYTES
 
 from ..cli import BYTES
 from ..config import Config

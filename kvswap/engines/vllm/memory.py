@@ -5,7 +5,7 @@ the context manager a connector returns from ``get_mem_pool_context`` (Mooncake 
 hook on GPUs for its own pool), then views it per layer as ``[blocks, heads, N, C]``.
 :class:`SharedKVAllocation` is that context manager for CPU engines: a torch function mode
 that turns the one large CPU ``zeros`` into a tensor over a fresh shared-memory segment
-(created zero-filled, mode 0600, see :mod:`kvswap.protocol.shm`). The engine then computes
+(created zero-filled, mode 0600, see :mod:`kvswap.common.shm`). The engine then computes
 in memory kvswapd maps by name: nothing is copied to register, and a load or save is one
 ``memmove`` per layer and block on the daemon's side.
 
@@ -25,9 +25,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from kvswap.common.shm import SharedSegment
 from kvswap.protocol.errors import InvalidLayout
 from kvswap.protocol.layout import CacheLayout
-from kvswap.protocol.shm import SharedSegment
 
 #: Under vLLM's logger, so these lines land in the engine's log with its own.
 log = logging.getLogger("vllm.kvswap")

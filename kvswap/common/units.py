@@ -1,8 +1,8 @@
 """Units every layer of kvswap shares: the page size, and how an operator writes a size.
 
-This is the one owner of both rules. It lives in ``kvswap.protocol`` because the engine side
-(``host_cache``) needs the page size too and ``protocol`` may import nothing of the daemon or
-the backends; the daemon and the backends import from here.
+This is the one owner of both rules. It lives in ``kvswap.common``, beneath everything that
+uses it: the engine side (``kvswap.protocol.host_cache``) needs the page size as much as the
+daemon and the backends do, and each of them imports from here.
 """
 
 from __future__ import annotations

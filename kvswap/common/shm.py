@@ -1,5 +1,8 @@
 """POSIX shared-memory segments, mode 0600, without Python's resource tracker.
 
+Both sides use them: the engine creates its cache's segment (``HostKVCache``, the vLLM
+connector's CPU cache) and the daemon attaches to it.
+
 ``multiprocessing.shared_memory`` registers every segment it *attaches* with a resource
 tracker that unlinks it when the attaching process exits (Python < 3.13), which would let the
 daemon destroy an engine's cache on shutdown. This module opens segments directly instead.
