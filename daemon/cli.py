@@ -181,6 +181,11 @@ def _config_error(ctx: click.Context, exc: ValueError, effective: dict[str, Any]
               help="Requests handled at once; beyond this the daemon answers busy.")
 @click.option("--max-inflight-per-client", type=click.IntRange(1), default=_DEFAULTS.max_inflight_per_client,
               help="Requests one client connection may have in flight; beyond this it is answered busy.")
+@click.option("--max-inflight-request-bytes", type=BYTES, default=_DEFAULTS.max_inflight_request_bytes,
+              help="Bytes the decoded requests in flight may hold, all clients together (one client: its share of "
+                   "it); beyond this the daemon answers busy.")
+@click.option("--max-connections", type=click.IntRange(1), default=_DEFAULTS.max_connections,
+              help="Connections the control socket keeps open at once; a handshake beyond this is refused.")
 @click.option("--engine-check-interval-s", type=click.FloatRange(0.05), default=_DEFAULTS.engine_check_interval_s,
               help="How often to check that the registered engine process is alive.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default=_DEFAULTS.log_level,

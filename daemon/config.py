@@ -133,6 +133,13 @@ class Config:
     #: Requests one client connection may have in flight; beyond this it is answered busy, so
     #: one engine cannot take every slot of ``max_inflight_requests``.
     max_inflight_per_client: int = 256
+    #: Bytes the decoded requests not yet answered may hold, all connections together (one
+    #: connection: the share ``max_inflight_per_client`` is of ``max_inflight_requests``);
+    #: beyond it the daemon answers busy. The largest valid request holds about 1.9 MB.
+    max_inflight_request_bytes: int = 64 * MiB
+    #: Connections the control socket keeps open at once; a handshake beyond it is refused
+    #: (that client's requests time out). Bounds what ZMQ holds for connections (docs/security.md).
+    max_connections: int = 16
     #: How often to check that the registered engine process still lives.
     engine_check_interval_s: float = 1.0
     log_level: str = "info"
@@ -159,11 +166,14 @@ class Config:
                 raise ConfigError(f"{name} {getattr(self, name)!r} {problem}", name)
         if self.fsync not in FSYNC_MODES:
             raise ValueError(f"fsync must be one of {', '.join(FSYNC_MODES)}, got {self.fsync!r}")
-        for name in ("write_threads", "read_threads", "max_inflight_requests", "max_inflight_per_client"):
+        for name in ("write_threads", "read_threads", "max_inflight_requests", "max_inflight_per_client",
+                     "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if not 0 <= self.data_thread_nice <= 19:
             raise ValueError(f"data_thread_nice must be in 0..19, got {self.data_thread_nice}")
+        if self.max_inflight_request_bytes < MiB:
+            raise ValueError("max_inflight_request_bytes must be at least 1 MiB")
         for name in ("write_staging_bytes", "read_staging_bytes"):
             if getattr(self, name) < PAGE_BYTES:
                 raise ValueError(f"{name} must be at least {PAGE_BYTES}")

@@ -30,6 +30,8 @@ import os
 import stat
 import struct
 import time
+from typing import Any
+
 import zmq
 import zmq.auth
 import zmq.utils.z85
@@ -207,19 +209,29 @@ class KvswapAuthenticator(AsyncioAuthenticator):
     next. pyzmq lets it escape, which ends the authenticator's task: every later handshake
     then waits forever, authorized clients included."""
 
-    def __init__(self, context: zmq.Context, errors: Counter) -> None:
+    def __init__(self, context: zmq.Context, errors: Counter | None = None, gate: Any = None) -> None:
         super().__init__(context, log=logging.getLogger("kvswap.daemon.zap"))
         self.errors = errors
+        #: The connection cap (daemon/connections.py): its ``admit()`` is asked once for each
+        #: handshake this handler would admit, and a False turns the answer into 400.
+        self.gate = gate
+
+    def _send_zap_reply(self, request_id: bytes, status_code: bytes, status_text: bytes,
+                        user_id: str = "anonymous") -> None:
+        if status_code == b"200" and self.gate is not None and not self.gate.admit():
+            status_code, status_text = b"400", b"Too many connections"
+        super()._send_zap_reply(request_id, status_code, status_text, user_id)
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
         try:
             await super().handle_zap_message(msg)
         except Exception as exc:
-            self.errors.inc()
+            if self.errors is not None:
+                self.errors.inc()
             log.error("refused a CURVE handshake: the key check failed: %s: %s", type(exc).__name__, exc)
             if len(msg) >= 2:
                 try:
-                    self._send_zap_reply(msg[1], b"500", b"Internal error")
+                    super()._send_zap_reply(msg[1], b"500", b"Internal error")
                 except zmq.ZMQError as send_exc:  # the ZAP socket is closing: nothing to answer
                     log.warning("cannot answer the ZAP request: %s", send_exc)
 
@@ -239,18 +251,18 @@ class CurveServer:
         self.public_key = b""
         self._auth: AsyncioAuthenticator | None = None
 
-    def prepare(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
+    def prepare(self, ctx: zmq.Context, sock: zmq.Socket, gate: Any = None) -> None:
         """Load the keys, start the authenticator on the running loop, set the socket options.
-        Raises :class:`CurveError`."""
+        ``gate``: the connection cap the authenticator also enforces. Raises :class:`CurveError`."""
         try:
-            self._prepare(ctx, sock)
+            self._prepare(ctx, sock, gate)
         except CurveError:
             raise
         except Exception as exc:  # whatever else goes wrong here fails start-up with its reason
             self.close()
             raise CurveError(f"CURVE cannot be set up: {type(exc).__name__}: {exc}") from None
 
-    def _prepare(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
+    def _prepare(self, ctx: zmq.Context, sock: zmq.Socket, gate: Any) -> None:
         public, secret = load_secret_key(self.secret_key_file)
         mode = stat.S_IMODE(os.stat(self.secret_key_file).st_mode)
         if mode & 0o077:
@@ -259,7 +271,7 @@ class CurveServer:
         count = self.keys.load()
         if count == 0:
             log.warning("no client keys in %s: every client will be refused until one is added", self.keys.directory)
-        self._auth = KvswapAuthenticator(ctx, self.errors)
+        self._auth = KvswapAuthenticator(ctx, self.errors, gate)
         self._auth.start()
         self._auth.configure_curve_callback(domain="*", credentials_provider=self.keys)
         sock.curve_secretkey = secret

@@ -69,6 +69,13 @@ class Metrics:
         self.http_refused = Counter("kvswap_http_refused", "Connections to the metrics port closed without an "
                                     "answer, or answered 431: reason evicted|limit|deadline|too_large.", ["reason"],
                                     registry=r)
+        self.connections = Gauge("kvswap_connections", "Connections open on the control socket (handshake done).",
+                                 registry=r)
+        self.connections_refused = Counter("kvswap_connections_refused", "Control-socket handshakes refused "
+                                           "because --max-connections were open.", registry=r)
+        self.request_bytes = Gauge("kvswap_request_bytes_in_flight", "Bytes the decoded requests not yet "
+                                   "answered hold (an upper bound), against --max-inflight-request-bytes.",
+                                   registry=r)
         info = Gauge("kvswap_build_info", "Always 1; labels say which build runs.", ["version"], registry=r)
         info.labels(version=__version__).set(1)
         # process_* (RSS, CPU seconds, open and max fds, start time) of this process, read from

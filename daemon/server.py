@@ -12,7 +12,9 @@ in place before the daemon started are restored when it stops.
 What one peer can make the daemon hold or spend is bounded (numbers in docs/security.md): the
 loop's time per frame by the protocol's shape limits and one frame handed on per read, so a
 flood delays another peer's request by about one frame; ZMQ's memory per connection by
-RCV_HWM frames in and SND_HWM replies of at most MAX_REPLY_BYTES out.
+RCV_HWM frames in and SND_HWM replies of at most MAX_REPLY_BYTES out, and over all
+connections by ``max_connections`` (connections.py) and ``max_inflight_request_bytes`` of
+decoded requests (admission.py).
 
 (Over 500 lines: the three phases, the receive loop and the op handlers share one Daemon's
 state; signals, descriptors, metrics and CURVE live in their own modules.)
@@ -29,6 +31,7 @@ import signal
 import stat
 import sys
 import time
+import weakref
 from typing import Any, Awaitable, Callable
 
 import zmq
@@ -48,6 +51,8 @@ from kvswap.protocol.limits import (
 
 from . import fds
 from .config import Config
+from .admission import TRACK_REPLY_BYTES, RequestBudget, request_bytes
+from .connections import ConnectionGate
 from .curve import CurveError, CurveServer
 from .metrics import HealthServer, Metrics
 from .registrar import Caller
@@ -69,12 +74,19 @@ SHUTDOWN_REPLY_FLUSH_S = 0.25
 
 #: Frames queued per connection before ZMQ stops reading that peer (TCP then holds it back).
 #: The receive loop takes a frame as soon as it can, so only a peer sending faster than its
-#: frames are answered fills it; at 4 MiB a frame it bounds that peer to 64 MiB inbound.
-#: (It was 10,000: 40 GB of 4 MiB frames.)
-RCV_HWM = 16
+#: frames are answered fills it. ZMQ holds up to RCV_HWM + 2 frames of a connection (the
+#: queue, the one its reader has decoded and cannot queue, the one the socket has taken):
+#: 16 MiB at 4 MiB a frame, times --max-connections. (It was 10,000: 40 GB of 4 MiB frames;
+#: then 16, which with six connections was 100 MB of swap_out frames.) Measured: 250
+#: pipelined pings take the same time at 2 as at 16, within the noise of a 2-core machine.
+RCV_HWM = 2
 #: Replies queued per connection for a peer that does not read them; past it ZMQ drops them.
 #: A client's own socket takes up to 1,000 replies before this queue fills at all, so only a
-#: peer that stopped reading reaches it. 256 is the default per-client in-flight limit.
+#: peer that stopped reading reaches it. 256 is the default per-client in-flight limit, so a
+#: client within it never loses a reply here. What the queue holds in bytes is bounded by the
+#: connection's share of --max-inflight-request-bytes instead (admission.py): replies of 4 KiB
+#: or more are tracked, and a connection whose unsent replies fill its share is answered busy.
+#: (Lowered to 16, a burst of 250 pipelined pings lost replies on a busy 2-core machine.)
 SND_HWM = 256
 #: Kernel send buffer per connection; replies are small, so it need not be large.
 SND_BUF = 256 * 1024
@@ -108,6 +120,12 @@ class Daemon:
         self._requests: set[asyncio.Task] = set()
         #: Requests in flight per client connection (ZMQ identity); entries go at zero.
         self._per_client: dict[bytes, int] = {}
+        #: Bytes the decoded requests in flight hold, in all and per connection (admission.py).
+        self.budget = RequestBudget(config.max_inflight_request_bytes,
+                                    config.max_inflight_request_bytes * config.max_inflight_per_client
+                                    // config.max_inflight_requests, self.metrics.request_bytes)
+        #: The cap on the control socket's connections (connections.py), set up in startup.
+        self.gate: ConnectionGate | None = None
         self._stop_event: asyncio.Event | None = None
         self._force_event: asyncio.Event | None = None
         self.curve = (CurveServer(config.curve_secret_key_file, config.authorized_keys, self.metrics.registry)
@@ -154,9 +172,14 @@ class Daemon:
         sock.setsockopt(zmq.SNDBUF, SND_BUF)
         if ":" in cfg.host:
             sock.setsockopt(zmq.IPV6, 1)  # ZMQ binds IPv6 addresses only with this set
-        if self.curve is not None:
+        # Before bind: every handshake is counted, and refused past --max-connections, by ZAP.
+        self.gate = ConnectionGate(cfg.max_connections, self.metrics)
+        self.gate.watch(self._ctx, sock)
+        if self.curve is None:
+            self.gate.gate_null_mechanism(self._ctx, sock)
+        else:
             try:
-                self.curve.prepare(self._ctx, sock)  # before bind: no connection without a handshake
+                self.curve.prepare(self._ctx, sock, self.gate)  # before bind: no connection without a handshake
             except CurveError as exc:
                 sock.close(0)
                 raise StartupError(str(exc)) from None
@@ -287,6 +310,8 @@ class Daemon:
         await self.health.close()
         if self._sock is not None:
             self._sock.close(linger=2000)
+        if self.gate is not None:
+            self.gate.close()
         if self.curve is not None:
             self.curve.close()
         if self._ctx is not None:
@@ -320,6 +345,11 @@ class Daemon:
                 # One engine (or a runaway loop in it) must not take every slot from the others.
                 self._send(envelope, m.Reply(m.peek_id(payload), False, error=Busy(
                     "too many requests in flight from this client", limit=self.config.max_inflight_per_client)))
+                self._count_refusal()
+                continue
+            if self.budget.full(client):  # refused before it is decoded: it costs nothing to hold
+                self._send(envelope, m.Reply(m.peek_id(payload), False, error=Busy(
+                    "too many request bytes in flight", limit=self.budget.limit)))
                 self._count_refusal()
                 continue
             self._per_client[client] = held + 1
@@ -378,7 +408,20 @@ class Daemon:
             else:
                 del payload  # a request waiting for its answer holds its decoded fields, not its frame
                 op, request_id = request.op, request.id
-                reply = await self._dispatch(request)
+                client, charge = envelope[0], request_bytes(request)
+                if not self.budget.take(client, charge):
+                    reply = m.Reply(request_id, False, error=Busy("too many request bytes in flight",
+                                                                  limit=self.budget.limit))
+                else:
+                    # Given back when the decoded request is freed, not at its answer: work that
+                    # runs on past its deadline still holds it.
+                    weakref.finalize(request, self.budget.give, client, charge)
+                    reply = await self._dispatch(request)
+                    if reply.error is not None:
+                        # Raised out of the work task by work.result(), the error's traceback holds
+                        # _dispatch's frame, which holds the task, which holds the error: a cycle
+                        # that kept every refused request's decoded keys until the cyclic GC ran.
+                        reply.error.__traceback__ = None
         except asyncio.CancelledError:
             self._reply(envelope, op, started, m.Reply(request_id, False, error=Unavailable(
                 "the daemon shut down before this request finished")))
@@ -500,7 +543,12 @@ class Daemon:
                 "the reply is over the size limit", size=len(frame), limit=MAX_REPLY_BYTES)))
         # With NOBLOCK the asyncio socket finishes the send at once and puts any error in the
         # returned future rather than raising it. A ROUTER drops replies to vanished peers.
-        sent = self._sock.send_multipart([*envelope, frame], flags=zmq.NOBLOCK)
+        if len(frame) < TRACK_REPLY_BYTES:
+            sent = self._sock.send_multipart([*envelope, frame], flags=zmq.NOBLOCK)
+        else:  # sent without a copy, and charged to its connection while ZMQ holds it (admission.py)
+            body = zmq.Frame(frame, copy=False, track=True)
+            sent = self._sock.send_multipart([*envelope, body], flags=zmq.NOBLOCK, copy=False)
+            self.budget.track(envelope[0], len(frame), body.tracker)
         if sent.done():
             _log_send_failure(sent, reply.id)
         else:

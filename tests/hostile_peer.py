@@ -6,7 +6,8 @@ its CPU time and memory are not the test's: it floods the control socket with la
 KIND is ``wide`` (a 2.8 MB map of 350,000 unknown fields, the frame that stalled the loop for
 0.25 s each), ``nested`` (a 4 MB lookup whose keys are 4 million nested empty maps: 1.8 s to
 decode without shape limits), ``mixed`` (the two in turn) or ``echo`` (16 unknown fields with
-240 KB names: a reply that repeated them was 3.8 MB). COUNT frames (0: until killed) at RATE
+240 KB names: a reply that repeated them was 3.8 MB) or ``swap_out`` (the largest valid swap_out,
+8,192 keys of 128 characters: 1.1 MB). COUNT frames (0: until killed) at RATE
 frames per second (0: as fast as the socket takes them). READ is 1 to read replies, 0 never to
 read them (its socket holds at most one reply). Prints ``sent N`` at the end.
 """
@@ -26,6 +27,9 @@ def frame(kind: str, request_id: int) -> bytes:
         return msgpack.packb({**head, "op": "ping", **{f"f{i}": None for i in range(350_000)}})
     if kind == "nested":
         return msgpack.packb({**head, "op": "lookup", "keys": [[{}] * 8000] * 500})
+    if kind == "swap_out":  # the largest valid swap_out: 8,192 keys of 128 characters
+        return msgpack.packb({**head, "op": "swap_out", "block_ids": list(range(8192)),
+                              "keys": [f"{request_id}-{i:07d}".ljust(128, "k") for i in range(8192)]})
     if kind == "echo":
         return msgpack.packb({**head, "op": "ping", **{f"{i:02d}" + "x" * 240_000: None for i in range(16)}})
     raise SystemExit(f"unknown kind {kind}")

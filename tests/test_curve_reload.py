@@ -239,3 +239,24 @@ def test_an_exception_in_the_key_check_denies_that_handshake_and_the_authenticat
     assert event == zmq.EVENT_HANDSHAKE_FAILED_AUTH  # denied, not left hanging
     assert got == b"hello"
     assert registry.get_sample_value("auth_errors_total") >= 1
+
+
+def test_the_connection_cap_holds_with_curve_too(tmp_path: Path, keys) -> None:
+    """Issue 22, finding 6: the cap is enforced by the same ZAP handler that checks keys: an
+    authorized key past --max-connections is refused; one closing makes room."""
+    d = DaemonProcess(tmp_path / "store", free_port(), free_port(),
+                      extra_args=[*curve_args(keys), "--max-connections", "1"],
+                      client_options=options(keys, "alice")).start()
+    try:
+        assert wait_until(lambda: d.metric("kvswap_connections") == 0, 10)
+        with Client(d.endpoint, timeout=5, **options(keys, "alice")) as alice:
+            assert alice.ping() > 0
+            assert d.metric("kvswap_connections") == 1
+            assert not answers(d.endpoint, **options(keys, "bob"))  # authorized, but the cap is reached
+            assert d.metric("kvswap_connections_refused_total") >= 1
+            assert d.metric("kvswap_auth_denied_total") == 0  # not counted as a bad key
+        assert wait_until(lambda: d.metric("kvswap_connections") == 0, 10)
+        assert answers(d.endpoint, **options(keys, "bob"))
+        assert "refused a connection to the control socket: 1 are open" in d.log()
+    finally:
+        assert d.stop() == 0, d.log()

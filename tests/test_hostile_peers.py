@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from support import DaemonProcess, free_port, wait_until
 
-from kvswap.protocol import Client, HostKVCache, InvalidLayout
+from kvswap.protocol import Client, HostKVCache, InvalidLayout, Timeout, Unavailable
 
 HOSTILE = str(Path(__file__).with_name("hostile_peer.py"))
 
@@ -120,6 +120,82 @@ def test_rss_stays_bounded_with_a_client_that_never_reads(daemon: DaemonProcess)
     assert after - before < 256
 
 
+#: Issue 22, finding 6: what the daemon holds grows with connections only up to a bound. Each
+#: connection makes ZMQ hold at most RCV_HWM + 2 of its frames (server.py) and SND_HWM
+#: replies; decoded requests are charged against --max-inflight-request-bytes; connections
+#: past --max-connections are refused at the handshake. Before, 12 connections sending the
+#: largest valid swap_out (1.1 MB) and never reading took the daemon from 53 to 384 MiB.
+SWAP_OUT_FRAME_MIB = 1.1
+
+
+def _flood_without_reading(daemon: DaemonProcess, peers: int, frames: int) -> tuple[float, float, float, float]:
+    """``peers`` processes, each sending ``frames`` swap_outs and never reading a reply; waits
+    until the daemon has answered every frame of the ones it admits; returns the daemon's RSS
+    before, with them connected, at its peak, and after they left (MiB)."""
+    pid = daemon.proc.pid
+    before = rss_mib(pid)
+    base = answered(daemon)
+    flood = [hostile(daemon, "swap_out", frames, 0, read=False) for _ in range(peers)]
+    try:
+        assert wait_until(lambda: daemon.metric("kvswap_connections") + daemon.metric(
+            "kvswap_connections_refused_total") >= peers, 60), "the peers never connected"
+        admitted = int(daemon.metric("kvswap_connections"))
+        assert wait_until(lambda: answered(daemon) >= base + admitted * frames, 120), \
+            f"the daemon did not answer every frame: {answered(daemon) - base} of {admitted * frames}"
+        during, peak = rss_mib(pid), rss_mib(pid, "VmHWM")
+        if admitted == peers:  # room for one more: it is served as ever
+            with Client(daemon.endpoint, timeout=10) as other:
+                assert other.ping() > 0
+    finally:
+        for proc in flood:
+            stop(proc)
+    assert wait_until(lambda: daemon.metric("kvswap_connections") == 0, 10)
+    return before, during, peak, rss_mib(pid)
+
+
+def test_rss_stays_bounded_with_many_connections_that_never_read(daemon: DaemonProcess) -> None:
+    peers, frames = 12, 128
+    before, during, peak, after = _flood_without_reading(daemon, peers, frames)
+    # The stated bound for this flood: ZMQ's frames of every connection, the request budget
+    # (64 MiB by default), and 32 MiB for the interpreter's own churn.
+    bound = peers * 4 * SWAP_OUT_FRAME_MIB + 64 + 32
+    print(f"{peers} connections x {frames} swap_outs of 1.1 MB, replies never read: daemon RSS {before:.0f} MiB "
+          f"before, {during:.0f} with them connected (peak {peak:.0f}), {after:.0f} after they left; "
+          f"stated bound +{bound:.0f} MiB")
+    assert peak - before < bound
+    assert after - before < bound
+    assert wait_until(lambda: daemon.metric("kvswap_request_bytes_in_flight") == 0, 10)  # all freed
+
+
+def test_connections_past_the_cap_are_refused_and_hold_nothing(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path / "store", free_port(), free_port(), extra_args=["--max-connections", "4"]).start()
+    try:
+        assert wait_until(lambda: d.metric("kvswap_connections") == 0, 10)  # the readiness check left
+        before, during, peak, after = _flood_without_reading(d, 10, 64)
+        assert d.metric("kvswap_connections_refused_total") >= 6
+        bound = 4 * 4 * SWAP_OUT_FRAME_MIB + 64 + 32
+        print(f"10 peers, 4 admitted: daemon RSS {before:.0f} MiB before, peak {peak:.0f}, {after:.0f} after; "
+              f"stated bound +{bound:.0f} MiB")
+        assert peak - before < bound
+        # Each open connection counts; one that closes makes room for the next.
+        clients = [Client(d.endpoint, timeout=10) for _ in range(4)]
+        try:
+            assert [c.ping() > 0 for c in clients] == [True] * 4
+            assert d.metric("kvswap_connections") == 4
+            with Client(d.endpoint, timeout=1) as fifth, pytest.raises((Timeout, Unavailable)):
+                fifth.ping()
+            clients.pop().close()
+            assert wait_until(lambda: d.metric("kvswap_connections") == 3, 10)
+            with Client(d.endpoint, timeout=10) as fifth:
+                assert fifth.ping() > 0
+        finally:
+            for c in clients:
+                c.close()
+        assert "refused a connection to the control socket: 4 are open" in d.log()
+    finally:
+        assert d.stop() == 0, d.log()
+
+
 # -- file descriptors ---------------------------------------------------------------------------
 
 RESERVE = 128
@@ -142,7 +218,7 @@ def test_daemon_answers_and_stores_with_its_metrics_port_flooded(tmp_path: Path,
         kwargs["preexec_fn"] = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
         return real_popen(*args, **kwargs)
 
-    monkeypatch.setattr(support.subprocess, "Popen", limited)
+    monkeypatch.setattr(subprocess, "Popen", limited)
     d = DaemonProcess(tmp_path / "store", free_port(), free_port()).start()
     monkeypatch.undo()
     idle: list[socket.socket] = []

@@ -193,3 +193,91 @@ def test_a_record_larger_than_staging_is_refused_before_anything_is_allocated(tm
         assert err.value.details == {"record_bytes": 4 << 20, "staging_bytes": 1 << 20}
         assert d.daemon.swapper.registration is None
         assert c.stats()["registered"] is False and "write_staging" not in c.stats()
+
+
+def test_decoded_requests_in_flight_are_bounded_in_bytes(tmp_path: Path, cache: HostKVCache) -> None:
+    """Issue 22, finding 6: what decoded requests waiting for their answer hold is charged
+    against --max-inflight-request-bytes (one connection: its share, a quarter by default);
+    past it the answer is busy, another connection is still served, and the charge comes back
+    when the requests are answered and freed."""
+    budget = 1024 * 1024
+    share = budget // 4
+    with InProcessDaemon(tmp_path / "s", max_inflight_request_bytes=budget) as d, \
+            Client(d.endpoint, timeout=10) as greedy, Client(d.endpoint, timeout=10) as other:
+        greedy.register(cache)
+        held = HeldDisk(d.daemon.backend.disk, "write_file")
+
+        def swap_out(n: int) -> int:  # 32 keys of 128 characters, each request its own
+            keys = tuple(f"r{n}-{i}".ljust(128, "k") for i in range(32))
+            return greedy.send(m.SwapOut, {"keys": keys, "block_ids": tuple(range(32)), "wait": "persisted"})
+
+        try:
+            sent = [swap_out(0)]
+            assert wait_until(lambda: d.daemon.budget.used > 0, 10)
+            charge = d.daemon.budget.used  # what one of them is charged once decoded
+            assert 32 * (128 + 40) < charge < 16 * 1024
+            while d.daemon.budget.used + charge <= share:
+                sent.append(swap_out(len(sent)))
+                assert wait_until(lambda: d.daemon.budget.used == len(sent) * charge, 10)
+            with pytest.raises(Busy) as err:
+                greedy.wait(swap_out(len(sent)))
+            assert err.value.message == "too many request bytes in flight"
+            assert err.value.details == {"limit": budget}
+            assert len(sent) == share // charge  # exactly what fits in the share
+            assert d.daemon.budget.used == len(sent) * charge
+            assert other.lookup(["r0-0".ljust(128, "k")]) == 1  # another connection's share is its own
+        finally:
+            held.gate.set()
+        assert [greedy.wait(i)["stored"] for i in sent] == [32] * len(sent)
+        assert wait_until(lambda: d.daemon.budget.used == 0), d.daemon.budget.used
+        assert greedy.ping() > 0
+
+
+def test_replies_a_connection_does_not_read_count_against_its_share(tmp_path: Path) -> None:
+    """Issue 22, finding 6: replies of 4 KiB or more that ZMQ still holds for a peer that does
+    not read are charged to that peer's share; once they fill it, its requests are answered
+    busy (a few hundred bytes each), while another connection is served; the charge comes
+    back when the peer leaves."""
+    import os
+
+    blocks = 8192
+    layout = CacheLayout("unread-replies", num_layers=1, num_blocks=blocks, block_size=1, num_kv_heads=1, head_dim=8)
+    budget = 8 * 1024 * 1024
+    share = budget // 4
+    keys = tuple(f"k{i}" for i in range(blocks))
+    with HostKVCache.create(layout) as cache, InProcessDaemon(tmp_path / "s", max_inflight_request_bytes=budget) as d, \
+            Client(d.endpoint, timeout=30) as engine:
+        engine.register(cache)
+        assert engine.swap_out(list(range(blocks)), list(keys), wait="persisted").stored == blocks
+        registry = d.daemon.metrics.registry
+
+        def count(name: str, **labels: str) -> float:
+            return sum(sample.value for family in registry.collect() for sample in family.samples
+                       if sample.name == name and labels.items() <= sample.labels.items())
+
+        ctx = zmq.Context()
+        slow = ctx.socket(zmq.DEALER)
+        slow.setsockopt(zmq.ROUTING_ID, b"slow-reader")
+        slow.setsockopt(zmq.RCVHWM, 1)
+        slow.setsockopt(zmq.RCVBUF, 4096)
+        slow.setsockopt(zmq.LINGER, 0)
+        slow.connect(d.endpoint)
+        base = count("kvswap_requests_total")
+        frame = m.encode_request(m.SwapOut(id=1, keys=keys, block_ids=tuple(range(blocks)), token=engine._token,
+                                           pid=os.getpid()))
+        try:
+            for n in range(1, 201):  # one at a time: each answered with a 57 KB reply (every key "exists"), or busy
+                slow.send(frame)
+                assert wait_until(lambda: count("kvswap_requests_total") >= base + n, 10, interval=0.002)
+            unsent = d.daemon.budget.unsent(b"slow-reader")
+            busy = count("kvswap_errors_total", code="busy")
+            print(f"unsent replies held for the peer: {unsent} bytes (its share {share}), {busy:.0f} of 200 "
+                  "requests answered busy")
+            assert share // 2 <= unsent <= share  # tracked, filled, and no further
+            assert busy >= 100  # the rest were refused
+            assert engine.lookup(list(keys[:8])) == 8  # the engine's connection has its own share
+        finally:
+            slow.close()
+            ctx.term()
+        assert wait_until(lambda: d.daemon.budget.unsent(b"slow-reader") == 0, 10)
+        assert wait_until(lambda: d.daemon.budget.used == 0)
