@@ -8,15 +8,12 @@ The same harness as tests/test_crash_safety.py (20 cycles in CI), for longer run
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-
-from crash_harness import crash_loop  # noqa: E402
+from kvswap.testing.crash_harness import crash_loop
 
 
 def main() -> None:

@@ -22,15 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from hypothesis import HealthCheck, Phase, given, seed, settings
 
-from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
-
-from fuzz_frames import LAYOUT, FuzzFailure, FuzzSession, batch_strategy, canonical_frames  # noqa: E402
-from load_driver import proc_status  # noqa: E402
-from support import DaemonProcess, free_port  # noqa: E402
-
-from kvswap.protocol import Client, HostKVCache  # noqa: E402
+from kvswap.protocol import Client, HostKVCache
+from kvswap.testing.daemon_process import DaemonProcess, free_port
+from kvswap.testing.fuzz_frames import LAYOUT, FuzzFailure, FuzzSession, batch_strategy, canonical_frames
+from kvswap.testing.load_driver import proc_status
 
 #: Batches per hypothesis run; between runs the progress line is printed.
 CHUNK = 500

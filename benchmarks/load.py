@@ -21,10 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from load_driver import run_load  # noqa: E402
-from support import DaemonProcess, free_port  # noqa: E402
+from kvswap.testing.daemon_process import DaemonProcess, free_port
+from kvswap.testing.load_driver import run_load
 
 
 def main() -> int:

@@ -26,7 +26,6 @@ import os
 import secrets
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,11 +33,9 @@ from typing import Callable
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from kvswap.backends import record  # noqa: E402
-from kvswap.backends.base import GetStatus  # noqa: E402
-from kvswap.backends.remote import open_remote, parse_remote_url  # noqa: E402
+from kvswap.backends import record
+from kvswap.backends.base import GetStatus
+from kvswap.backends.remote import open_remote, parse_remote_url
 
 MiB = 1 << 20
 
@@ -266,7 +263,7 @@ def main() -> None:
             if "redis" in only:
                 url = args.redis_url
                 if not url:
-                    from remote_servers import RedisServer
+                    from kvswap.testing.remote_servers import RedisServer
                     server = RedisServer(Path(tmp)).start()
                     servers.append(server)
                     url = server.url + "?timeout=30"
@@ -275,7 +272,7 @@ def main() -> None:
             if "mooncake" in only:
                 url = args.mooncake_url
                 if not url:
-                    from remote_servers import MooncakeMaster
+                    from kvswap.testing.remote_servers import MooncakeMaster
                     master = MooncakeMaster(Path(tmp)).start()
                     servers.append(master)
                     segment = 2 * args.mib + 256

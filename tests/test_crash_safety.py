@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from crash_harness import crash_loop
+from kvswap.testing.crash_harness import crash_loop
 
 
 def test_sigkill_under_load_never_serves_wrong_bytes(tmp_path: Path) -> None:

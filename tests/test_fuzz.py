@@ -11,8 +11,8 @@ from typing import Iterator
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from fuzz_frames import LAYOUT, FuzzSession, batch_strategy, canonical_frames
 from kvswap.protocol import Client, HostKVCache
+from kvswap.testing.fuzz_frames import LAYOUT, FuzzSession, batch_strategy, canonical_frames
 from support import DaemonProcess, free_port
 
 MIN_FRAMES = 2_000

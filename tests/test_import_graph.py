@@ -27,6 +27,7 @@ PACKAGES = {
     "protocol": "kvswap.protocol",
     "kvswap/common": "kvswap.common",
     "kvswap/engines": "kvswap.engines",
+    "kvswap/testing": "kvswap.testing",
 }
 
 #: What each package must not import: DESIGN.md's layout table, and issue 23's one owner per

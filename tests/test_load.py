@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from load_driver import run_load
+from kvswap.testing.load_driver import run_load
 from support import DaemonProcess
 
 

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 from copy_paths import copy_path  # noqa: F401 (a fixture)
-from remote_servers import RedisServer, redis_skip_reason
 from support import DaemonProcess, free_port, wait_until
 
 from kvswap.protocol import CacheLayout, Client, HostKVCache
 from kvswap.protocol.errors import InvalidLayout, KvswapError, NotRegistered
+from kvswap.testing.remote_servers import RedisServer, redis_skip_reason
 
 #: An engine process: builds its cache, then runs one command per stdin line and prints one
 #: JSON answer per line ({"ok": true, ...} or {"ok": false, "code": ..., "details": ...}).

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvswap.protocol import Client, HostKVCache
-from remote_servers import RedisServer, redis_skip_reason
+from kvswap.testing.remote_servers import RedisServer, redis_skip_reason
 from support import DaemonProcess, free_port, wait_until
 
 pytestmark = pytest.mark.skipif(bool(redis_skip_reason()), reason=redis_skip_reason() or "redis")

@@ -22,8 +22,8 @@ from kvswap.backends.base import GetStatus
 from kvswap.backends.remote import (HealthGate, MooncakeSpec, RedisSpec, RemoteConfigError, open_remote,
                                     parse_remote_url, remote_key)
 from kvswap.protocol.errors import IOFailure, NoSpace, Unavailable
-from remote_servers import (MooncakeMaster, RedisClusterServers, RedisServer, mooncake_skip_reason,
-                            redis_skip_reason)
+from kvswap.testing.remote_servers import (MooncakeMaster, RedisClusterServers, RedisServer, mooncake_skip_reason,
+                                           redis_skip_reason)
 from support import free_port, wait_until
 
 RECORD_BYTES = 96 * 1024  # >= 64 KiB: the record carries the 4 KiB aligned header

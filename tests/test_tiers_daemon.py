@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvswap.protocol import CacheLayout, Client, HostKVCache
+from kvswap.testing.remote_servers import MooncakeMaster, RedisServer, mooncake_skip_reason, redis_skip_reason
 
-from remote_servers import MooncakeMaster, RedisServer, mooncake_skip_reason, redis_skip_reason
 from support import DaemonProcess, free_port, wait_until
 
 LAYOUT = CacheLayout("pd-test", num_layers=2, num_blocks=32, block_size=16, num_kv_heads=2, head_dim=64)

@@ -19,7 +19,7 @@ import xxhash
 from kvswap.backends import record
 from kvswap.protocol import CacheLayout, Client, Corrupt, HostKVCache, KvswapError
 
-from support import DaemonProcess, free_port
+from .daemon_process import DaemonProcess, free_port
 
 LAYOUT = CacheLayout("crash-test", num_layers=2, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=64)
 WRITE_BLOCKS = list(range(48))  # blocks the load writes from

@@ -165,7 +165,8 @@ class Worker:
         self.record_bytes = cache.layout.record_bytes
 
     def run(self) -> None:
-        with CountingClient(self.endpoint, timeout=30) as client:
+        client = CountingClient(self.endpoint, timeout=30)
+        with client:
             while not self.stop.is_set():
                 op = "swap_out" if not self.stored else str(self.rng.choice(OPS, p=[0.4, 0.4, 0.2]))
                 started = time.perf_counter()

@@ -343,7 +343,7 @@ class FuzzSession:
     kinds: Counter = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(self.endpoint)
         self._ids = itertools.count(1 << 40)
@@ -421,16 +421,17 @@ class FuzzSession:
                     raise FuzzFailure(f"an id-less frame got {reply}")
                 self.codes[reply["error"]["code"]] += 1
                 continue
-            frame = by_id.get(rid)
-            if frame is None or rid not in waiting:
+            answered = by_id.get(rid)
+            if answered is None or rid not in waiting:
                 raise FuzzFailure(f"answer to an id that is not waiting (duplicate or stray): {reply}")
             waiting.discard(rid)
-            if list(parts[:-1]) != list(frame.prefix):
-                raise FuzzFailure(f"envelope not echoed: sent {frame.prefix}, got {parts[:-1]}")
+            if list(parts[:-1]) != list(answered.prefix):
+                raise FuzzFailure(f"envelope not echoed: sent {answered.prefix}, got {parts[:-1]}")
             code = "ok" if reply["ok"] else reply["error"]["code"]
-            if frame.expect is not None and code != frame.expect:
-                raise FuzzFailure(f"{frame.kind} frame {frame.body!r:.300} expected {frame.expect}, got {reply!r:.500}")
-            if frame.kind != "ping":
+            if answered.expect is not None and code != answered.expect:
+                raise FuzzFailure(f"{answered.kind} frame {answered.body!r:.300} expected {answered.expect}, "
+                                  f"got {reply!r:.500}")
+            if answered.kind != "ping":
                 self.codes[code] += 1
 
     @staticmethod

@@ -17,7 +17,10 @@ import socket
 import subprocess
 from pathlib import Path
 
-from support import INSTALLED_BY_TEST_SETUP, free_port, wait_until
+from kvswap.daemon.tools.local_daemon import free_port
+
+from .polling import wait_until
+from .skips import INSTALLED_BY_TEST_SETUP
 
 
 def redis_server_path() -> str | None:
@@ -84,9 +87,9 @@ class ServerProcess:
         assert self.proc is None or self.proc.poll() is not None, f"{self.name} already running"
         log_path = self.log_dir / f"{self.name}-{self.port}.log"
         with open(log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         cwd=self.log_dir)
-        if not wait_until(lambda: self.proc.poll() is None and self.ready(), timeout=timeout):
+            proc = self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL, cwd=self.log_dir)
+        if not wait_until(lambda: proc.poll() is None and self.ready(), timeout=timeout):
             self.kill()
             raise AssertionError(f"{self.name} on port {self.port} did not start:\n{self.log()[-3000:]}")
         return self
