@@ -30,7 +30,7 @@ log = logging.getLogger("kvswap.daemon")
 class HostTierSize(ByteSize):
     """A size, or ``auto``: the machine's default RAM tier (see ``default_host_tier_bytes``)."""
 
-    def convert(self, value, param, ctx):  # type: ignore[override]
+    def convert(self, value, param, ctx):
         if isinstance(value, str) and value.strip().lower() == "auto":
             return default_host_tier_bytes()
         return super().convert(value, param, ctx)
@@ -48,7 +48,10 @@ class DaemonCommand(click.Command):
     log line in the chosen log format, naming the value's source, instead of click's usage
     block."""
 
-    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, **extra: Any) -> Any:
+    # Not click's overloads on standalone_mode: this command always runs click with
+    # standalone_mode=False and reports errors itself.
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,  # type: ignore[override]
+             **extra: Any) -> Any:
         argv = list(sys.argv[1:] if args is None else args)
         extra.pop("standalone_mode", None)
         try:

@@ -133,11 +133,11 @@ class StoreCollector:
                 free = store.free_bytes()
                 if free is not None:
                     stats["free_bytes"] = free
-            for key, family in gauges.items():
+            for key, gauge in gauges.items():
                 if key in stats:
-                    family.add_metric([store.tier], float(stats[key]))
-            for key, family in counters.items():
-                family.add_metric([store.tier], float(stats.get(key, 0)))
+                    gauge.add_metric([store.tier], float(stats[key]))
+            for key, counter in counters.items():
+                counter.add_metric([store.tier], float(stats.get(key, 0)))
             for reason in self.EVICTION_REASONS:
                 evictions.add_metric([store.tier, reason], float(stats.get(f"evicted_{reason}", 0)))
         yield from gauges.values()

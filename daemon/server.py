@@ -1,23 +1,19 @@
 """The daemon process: ``startup -> serve -> drain -> shutdown``.
 
-The receive loop only reads frames and starts one task per request; every task ends in
-exactly one reply — its result, a typed error, or ``timeout`` at its deadline. Signals
-(SIGTERM, SIGINT, SIGHUP) only set a flag; the loop notices it, stops taking new work (new
-requests get ``unavailable``), lets in-flight requests and writes finish for up to
-``drain_timeout_s``, then exits 0. A second signal cuts the drain short: requests still
-running are answered ``unavailable``, records not yet written are dropped (the directory stays
-as consistent as after SIGKILL), and the process exits ``EXIT_FORCED``. The signal handlers
-in place before the daemon started are restored when it stops.
+The daemon owns the lifecycle: the control socket, the metrics server, the swapper and the
+background loops. Requests are the dispatcher's (dispatch.py: receive, one answer each) and
+the ops' (ops.py: what each does). Signals (SIGTERM, SIGINT, SIGHUP) only set a flag; the
+loop notices it, stops taking new work (new requests get ``unavailable``), lets in-flight
+requests and writes finish for up to ``drain_timeout_s``, then exits 0. A second signal cuts
+the drain short: requests still running are answered ``unavailable``, records not yet written
+are dropped (the directory stays as consistent as after SIGKILL), and the process exits
+``EXIT_FORCED``. The signal handlers in place before the daemon started are restored when it
+stops.
 
-What one peer can make the daemon hold or spend is bounded (numbers in docs/security.md): the
-loop's time per frame by the protocol's shape limits and one frame handed on per read, so a
-flood delays another peer's request by about one frame; ZMQ's memory per connection by
-RCV_HWM frames in and SND_HWM replies of at most MAX_REPLY_BYTES out, and over all
-connections by ``max_connections`` (connections.py) and ``max_inflight_request_bytes`` of
-decoded requests (admission.py).
-
-(Over 500 lines: the three phases, the receive loop and the op handlers share one Daemon's
-state; signals, descriptors, metrics and CURVE live in their own modules.)
+ZMQ's memory per connection is bounded by RCV_HWM frames in and SND_HWM replies of at most
+MAX_REPLY_BYTES out, and over all connections by ``max_connections`` (connections.py) and
+``max_inflight_request_bytes`` of decoded requests (admission.py); numbers in
+docs/security.md.
 """
 
 from __future__ import annotations
@@ -31,34 +27,24 @@ import signal
 import stat
 import sys
 import time
-import weakref
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
 from kvswap import __version__
-from kvswap.protocol import messages as m
-from kvswap.protocol.errors import Busy, Internal, InvalidLayout, KvswapError, Timeout, Unavailable
-from kvswap.protocol.layout import CacheLayout
-from kvswap.protocol.limits import (
-    MAX_KEYS_PER_REQUEST,
-    MAX_KEY_LENGTH,
-    MAX_MESSAGE_BYTES,
-    MAX_REPLY_BYTES,
-    PROTOCOL_VERSION,
-)
+from kvswap.backends.file_store import FileBackend
+from kvswap.protocol.limits import MAX_MESSAGE_BYTES
 
 from . import fds
+from .admission import RequestBudget
 from .config import Config
-from .admission import TRACK_REPLY_BYTES, RequestBudget, request_bytes
 from .connections import ConnectionGate
 from .curve import CurveError, CurveServer
+from .dispatch import Dispatcher
 from .metrics import HealthServer, Metrics
-from .registrar import Caller
+from .ops import Ops
 from .signals import SignalCapture
-from .staging import slot_bytes_for
-from .deadline import Deadline
 from .swapper import Swapper
 from .tiers import open_backends, unready_locations
 
@@ -103,10 +89,11 @@ class Daemon:
         self.metrics = Metrics()
         self.backends = open_backends(config)
         #: The file tier: the daemon always has one; its directory is the daemon's storage dir.
-        self.backend = self.backends["file"]
+        file_tier = self.backends["file"]
+        assert isinstance(file_tier, FileBackend)
+        self.backend: FileBackend = file_tier
         self.swapper = Swapper(config, self.backends, config.locations(), self.metrics)
         self.health = HealthServer(self.metrics, ready=self.ready)
-        self.serving = False
         #: Tiers /readyz last found unable to serve (logged when it changes).
         self._unready: list[str] = []
         #: Set by the first signal (or ``request_exit``): drain and stop.
@@ -117,13 +104,12 @@ class Daemon:
         self.started = time.time()
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
-        self._requests: set[asyncio.Task] = set()
-        #: Requests in flight per client connection (ZMQ identity); entries go at zero.
-        self._per_client: dict[bytes, int] = {}
         #: Bytes the decoded requests in flight hold, in all and per connection (admission.py).
         self.budget = RequestBudget(config.max_inflight_request_bytes,
                                     config.max_inflight_request_bytes * config.max_inflight_per_client
                                     // config.max_inflight_requests, self.metrics.request_bytes)
+        self.ops = Ops(config, self.swapper, self.describe)
+        self.dispatcher = Dispatcher(config, self.metrics, self.budget, self.ops.handle)
         #: The cap on the control socket's connections (connections.py), set up in startup.
         self.gate: ConnectionGate | None = None
         self._stop_event: asyncio.Event | None = None
@@ -133,6 +119,23 @@ class Daemon:
         self.control_port = config.cache_queue_port
         #: Set once start-up succeeded: a failed start-up says only why, not "stopped".
         self._started = False
+
+    @property
+    def serving(self) -> bool:
+        """Taking requests: from the end of start-up until the drain begins."""
+        return self.dispatcher.serving
+
+    @property
+    def _requests(self) -> set[asyncio.Task]:
+        return self.dispatcher.requests
+
+    def describe(self) -> dict[str, Any]:
+        """The daemon's own part of ``stats``."""
+        return {"version": __version__, "uptime_s": round(time.time() - self.started, 3),
+                "requests_in_flight": len(self.dispatcher.requests), "storage_dir": self.backend.root,
+                "fsync": self.config.fsync, "metrics_port": self.health.port,
+                "metrics_host": self.config.metrics_bind_host,
+                "open_fds": fds.open_count(), "fd_limit": fds.soft_limit()}
 
     def ready(self) -> bool:
         """/readyz: serving, and every store and retrieve location can serve, unless
@@ -190,15 +193,15 @@ class Daemon:
             sock.bind(f"tcp://{_zmq_host(cfg.host)}:{cfg.cache_queue_port}")
         except zmq.ZMQError as exc:
             sock.close(0)
-            reason = "already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+            reason = "already in use" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
             raise StartupError(f"cannot bind the cache-queue port {cfg.host}:{cfg.cache_queue_port}: {reason}") from None
-        self._sock = sock
-        endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._sock = self.dispatcher.sock = sock
+        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.control_port = int(endpoint.rsplit(":", 1)[1])
         try:
             await self.health.start(cfg.metrics_bind_host, cfg.metrics_port)
         except OSError as exc:
-            reason = "already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+            reason = "already in use" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
             raise StartupError(f"cannot bind the metrics port {cfg.metrics_bind_host}:{cfg.metrics_port}: "
                                f"{reason}") from None
         # After the binds, which log nothing: the storage check logs its O_DIRECT finding, and a
@@ -213,7 +216,7 @@ class Daemon:
                         "reaches it can read and overwrite cached KV blocks", cfg.host)
         self.swapper.start()
         self._signals.install()
-        self.serving = True
+        self.dispatcher.serving = True
         self._started = True
         endpoint = f"tcp://{_zmq_host(cfg.host)}:{self.control_port}"
         metrics_url = f"http://{_zmq_host(cfg.metrics_bind_host)}:{self.health.port}/metrics"
@@ -249,7 +252,7 @@ class Daemon:
         assert self._sock is not None and self._stop_event is not None
         watcher = asyncio.ensure_future(self._watch_engine())
         maintainer = asyncio.ensure_future(self._maintain())
-        receiver = asyncio.ensure_future(self._receive())
+        receiver = asyncio.ensure_future(self.dispatcher.receive())
         try:
             await self._stop_event.wait()
         finally:
@@ -257,7 +260,7 @@ class Daemon:
             maintainer.cancel()
         log.info("draining: %d requests in flight, %d records waiting to be written", len(self._requests),
                  self.swapper.pending_writes)
-        self.serving = False
+        self.dispatcher.serving = False
         # The receiver keeps answering while we drain, with 'unavailable' for new requests.
         assert self._force_event is not None
         drain = asyncio.ensure_future(self._drain())
@@ -289,7 +292,7 @@ class Daemon:
         return not self._requests
 
     async def shutdown(self) -> None:
-        self.serving = False
+        self.dispatcher.serving = False
         unfinished = list(self._requests)
         for task in unfinished:
             task.cancel()
@@ -297,7 +300,7 @@ class Daemon:
             # Let each cancelled request send its 'unavailable' before the socket closes.
             await asyncio.wait(unfinished, timeout=5)
             log.warning("shutdown: answered %d unfinished requests with unavailable", len(unfinished))
-        refused = self._refuse_queued() if self._sock is not None else 0
+        refused = self.dispatcher.refuse_queued() if self._sock is not None else 0
         if unfinished or refused:
             # libzmq can drop a message sent just before its socket closes, LINGER or not
             # (libzmq #1264, #1922): a request cut short by a second signal got its
@@ -320,240 +323,6 @@ class Daemon:
         if self._started:
             log.info("kvswapd stopped")
 
-    # -- requests -----------------------------------------------------------------------------------
-
-    async def _receive(self) -> None:
-        assert self._sock is not None
-        while True:
-            frames = await self._sock.recv_multipart(copy=False)
-            if len(frames) < 2:
-                continue  # a ROUTER always prefixes the peer identity; nothing to answer to
-            # The payload is read in place (a memoryview of ZMQ's buffer), not copied: a copy
-            # doubled what a 4 MiB frame costs in memory and time.
-            envelope, payload = [f.bytes for f in frames[:-1]], frames[-1].buffer
-            if not self.serving:
-                self._send(envelope, m.Reply(m.peek_id(payload), False, error=Unavailable("the daemon is shutting down")))
-                continue
-            if len(self._requests) >= self.config.max_inflight_requests:
-                self._send(envelope, m.Reply(m.peek_id(payload), False, error=Busy(
-                    "too many requests in flight", limit=self.config.max_inflight_requests)))
-                self._count_refusal()
-                continue
-            client = envelope[0]
-            held = self._per_client.get(client, 0)
-            if held >= self.config.max_inflight_per_client:
-                # One engine (or a runaway loop in it) must not take every slot from the others.
-                self._send(envelope, m.Reply(m.peek_id(payload), False, error=Busy(
-                    "too many requests in flight from this client", limit=self.config.max_inflight_per_client)))
-                self._count_refusal()
-                continue
-            if self.budget.full(client):  # refused before it is decoded: it costs nothing to hold
-                self._send(envelope, m.Reply(m.peek_id(payload), False, error=Busy(
-                    "too many request bytes in flight", limit=self.budget.limit)))
-                self._count_refusal()
-                continue
-            self._per_client[client] = held + 1
-            task = asyncio.ensure_future(self._answer(envelope, payload))
-            self._requests.add(task)
-            task.add_done_callback(self._requests.discard)
-            task.add_done_callback(lambda _, c=client: self._client_done(c))
-            del frames, payload  # the task holds the frame only until it is decoded
-            # Let the task decode its frame (and a ping answer) before the next frame is read:
-            # a receive completes at once while frames are queued, so without this yield a
-            # flood of frames became tasks ahead of everyone else's (a ping waited 5 s).
-            await asyncio.sleep(0)
-
-    def _count_refusal(self) -> None:
-        """A request refused before decoding (in-flight limits) still counts as a request, so
-        the busy ratio's denominator is right."""
-        self.metrics.requests.labels(op="any", outcome="error").inc()
-        self.metrics.errors.labels(op="any", code="busy").inc()
-
-    def _client_done(self, client: bytes) -> None:
-        held = self._per_client.get(client, 0) - 1
-        if held > 0:
-            self._per_client[client] = held
-        else:
-            self._per_client.pop(client, None)
-
-    def _refuse_queued(self) -> int:
-        """Answer the frames still queued on the socket after the receiver stopped; how many."""
-        assert self._sock is not None
-        answered = 0
-        while True:
-            pending = self._sock.recv_multipart(flags=zmq.NOBLOCK)
-            if pending.exception() is not None:  # zmq.Again: nothing left (or the socket is gone)
-                return answered
-            frames = pending.result()
-            if len(frames) >= 2:
-                answered += 1
-                self._send(frames[:-1], m.Reply(m.peek_id(frames[-1]), False,
-                                                error=Unavailable("the daemon is shutting down")))
-
-    async def _answer(self, envelope: list[bytes], payload: memoryview) -> None:
-        """Exactly one reply per request, whatever happens: result, typed error, ``internal``
-        for a bug, ``unavailable`` when shutdown cancels it."""
-        started = time.perf_counter()
-        self.metrics.in_flight.inc()
-        op = "invalid"
-        request_id: int | None = None
-        try:
-            size = len(payload)
-            try:
-                request = m.decode_request(payload)
-            except m.DecodeError as exc:
-                op = exc.op or op  # a bad key in a lookup is counted as a lookup
-                log.info("bad %s frame (%d bytes): %s: %s", op, size, exc.error.code, exc.error.message)
-                reply = m.Reply(exc.request_id, False, error=exc.error)
-            else:
-                del payload  # a request waiting for its answer holds its decoded fields, not its frame
-                op, request_id = request.op, request.id
-                client, charge = envelope[0], request_bytes(request)
-                if not self.budget.take(client, charge):
-                    reply = m.Reply(request_id, False, error=Busy("too many request bytes in flight",
-                                                                  limit=self.budget.limit))
-                else:
-                    # Given back when the decoded request is freed, not at its answer: work that
-                    # runs on past its deadline still holds it.
-                    weakref.finalize(request, self.budget.give, client, charge)
-                    reply = await self._dispatch(request)
-                    if reply.error is not None:
-                        # Raised out of the work task by work.result(), the error's traceback holds
-                        # _dispatch's frame, which holds the task, which holds the error: a cycle
-                        # that kept every refused request's decoded keys until the cyclic GC ran.
-                        reply.error.__traceback__ = None
-        except asyncio.CancelledError:
-            self._reply(envelope, op, started, m.Reply(request_id, False, error=Unavailable(
-                "the daemon shut down before this request finished")))
-            raise
-        except Exception as exc:  # a bug outside the handler: still answer
-            log.exception("request %s (%s) failed", request_id, op)
-            reply = m.Reply(request_id, False, error=Internal(f"{type(exc).__name__}: {exc}"[:500]))
-        finally:
-            self.metrics.in_flight.dec()
-        self._reply(envelope, op, started, reply)
-
-    def _reply(self, envelope: list[bytes], op: str, started: float, reply: m.Reply) -> None:
-        self._send(envelope, reply)
-        self.metrics.requests.labels(op=op, outcome="ok" if reply.ok else "error").inc()
-        if not reply.ok and reply.error is not None:
-            self.metrics.errors.labels(op=op, code=reply.error.code).inc()
-        self.metrics.latency.labels(op=op).observe(time.perf_counter() - started)
-
-    async def _dispatch(self, request: m.Request) -> m.Reply:
-        timeout_ms = request.timeout_ms or self.config.default_timeout_ms
-        deadline = Deadline(timeout_ms / 1000)
-        work = asyncio.ensure_future(self._handler(request)(request, deadline))
-        try:
-            done, _ = await asyncio.wait({work}, timeout=deadline.remaining())
-        except asyncio.CancelledError:
-            # Shutdown: the caller answers 'unavailable'. The work is not cancelled (its copy
-            # threads cannot be); it stops touching engine memory and finishes on its own. The
-            # answer waits until its copies have stopped (deadline.py).
-            work.add_done_callback(_log_late_failure)
-            await self._stop_copies(deadline)
-            raise
-        if not done:
-            # Stop the copies, then answer; the work cleans up after itself.
-            work.add_done_callback(_log_late_failure)
-            await self._stop_copies(deadline)
-            log.warning("%s %d missed its deadline of %d ms", request.op, request.id, timeout_ms)
-            return m.Reply(request.id, False, error=Timeout(f"{request.op} did not finish within {timeout_ms} ms",
-                                                            timeout_ms=timeout_ms))
-        try:
-            return m.Reply(request.id, True, work.result())
-        except KvswapError as exc:
-            if exc.code not in ("not_registered", "busy"):
-                log.info("%s %d failed: %s: %s", request.op, request.id, exc.code, exc.message)
-            return m.Reply(request.id, False, error=exc)
-        except Exception as exc:  # a bug: still answer, so the engine never waits forever
-            log.exception("%s %d raised", request.op, request.id)
-            return m.Reply(request.id, False, error=Internal(f"{type(exc).__name__}: {exc}"[:500]))
-
-    async def _stop_copies(self, deadline: Deadline) -> None:
-        """No byte moves from or into the engine's memory for a request after its answer:
-        stop its copies and wait for the one in progress to end (at its next row) first."""
-        if not await asyncio.shield(deadline.stop()):
-            self.metrics.late_copies.inc()
-
-    def _handler(self, request: m.Request) -> Callable[[Any, Deadline], Awaitable[dict[str, Any]]]:
-        return self._handlers[request.op]
-
-    @property
-    def _handlers(self) -> dict[str, Callable[[Any, Deadline], Awaitable[dict[str, Any]]]]:
-        s = self.swapper
-        return {
-            "hello": self._hello,
-            "ping": self._ping,
-            "register": self._register,
-            "unregister": self._unregister,
-            "swap_out": lambda r, d: s.swap_out(r.block_ids, r.keys, r.wait, d, r.partial, Caller(r.token, r.pid)),
-            "swap_in": lambda r, d: s.swap_in(r.keys, r.block_ids, d, Caller(r.token, r.pid)),
-            "lookup": lambda r, d: s.lookup(r.keys),
-            "delete": lambda r, d: s.delete(r.keys),
-            "clear": lambda r, d: s.clear(),
-            "flush": lambda r, d: s.flush(),
-            "stats": self._stats,
-        }
-
-    async def _hello(self, request: m.Hello, deadline: Deadline) -> dict[str, Any]:
-        return {"server": "kvswapd", "version": __version__, "protocol": PROTOCOL_VERSION,
-                "registered": self.swapper.registration is not None,
-                "limits": {"max_message_bytes": MAX_MESSAGE_BYTES, "max_keys_per_request": MAX_KEYS_PER_REQUEST,
-                           "max_key_length": MAX_KEY_LENGTH}}
-
-    async def _ping(self, request: m.Ping, deadline: Deadline) -> dict[str, Any]:
-        return {"pong": True}
-
-    async def _register(self, request: m.Register, deadline: Deadline) -> dict[str, Any]:
-        # Before anything is mapped or allocated: staging holds at least one whole record per
-        # pool, so a layout with huge records (over a sparse segment that costs its sender
-        # nothing) would make the daemon allocate and touch that much memory twice over.
-        layout = CacheLayout.from_wire(request.layout)
-        slot = slot_bytes_for(layout.record_bytes)
-        budget = min(self.config.write_staging_bytes, self.config.read_staging_bytes)
-        if slot > budget:
-            raise InvalidLayout(f"a record of {layout.record_bytes} bytes does not fit in the staging memory of "
-                                f"{budget} bytes; raise --write-staging-bytes and --read-staging-bytes",
-                                record_bytes=layout.record_bytes, staging_bytes=budget)
-        return await self.swapper.registrar.register(request.layout, request.handles, request.regions, request.pid)
-
-    async def _unregister(self, request: m.Unregister, deadline: Deadline) -> dict[str, Any]:
-        return {"released": await self.swapper.registrar.unregister(Caller(request.token, request.pid))}
-
-    async def _stats(self, request: m.Stats, deadline: Deadline) -> dict[str, Any]:
-        out = self.swapper.stats()
-        out.update({"version": __version__, "uptime_s": round(time.time() - self.started, 3),
-                    "requests_in_flight": len(self._requests), "storage_dir": self.backend.root,
-                    "fsync": self.config.fsync, "metrics_port": self.health.port,
-                    "metrics_host": self.config.metrics_bind_host,
-                    "open_fds": fds.open_count(), "fd_limit": fds.soft_limit()})
-        return out
-
-    def _send(self, envelope: list[bytes], reply: m.Reply) -> None:
-        assert self._sock is not None
-        try:
-            frame = m.encode_reply(reply)
-        except (TypeError, ValueError, OverflowError) as exc:  # a result msgpack cannot carry: a bug
-            log.error("reply to request %s cannot be encoded: %s", reply.id, exc)
-            frame = m.encode_reply(m.Reply(reply.id, False, error=Internal(f"unencodable reply: {exc}"[:500])))
-        if len(frame) > MAX_REPLY_BYTES:  # a bug too: what a peer holds of our memory is bounded by it
-            log.error("reply to request %s is %d bytes, over the limit of %d", reply.id, len(frame), MAX_REPLY_BYTES)
-            frame = m.encode_reply(m.Reply(reply.id, False, error=Internal(
-                "the reply is over the size limit", size=len(frame), limit=MAX_REPLY_BYTES)))
-        # With NOBLOCK the asyncio socket finishes the send at once and puts any error in the
-        # returned future rather than raising it. A ROUTER drops replies to vanished peers.
-        if len(frame) < TRACK_REPLY_BYTES:
-            sent = self._sock.send_multipart([*envelope, frame], flags=zmq.NOBLOCK)
-        else:  # sent without a copy, and charged to its connection while ZMQ holds it (admission.py)
-            body = zmq.Frame(frame, copy=False, track=True)
-            sent = self._sock.send_multipart([*envelope, body], flags=zmq.NOBLOCK, copy=False)
-            self.budget.track(envelope[0], len(frame), body.tracker)
-        if sent.done():
-            _log_send_failure(sent, reply.id)
-        else:
-            sent.add_done_callback(lambda f: _log_send_failure(f, reply.id))
-
     async def _watch_engine(self) -> None:
         while True:
             await asyncio.sleep(self.config.engine_check_interval_s)
@@ -562,7 +331,6 @@ class Daemon:
             except Exception:
                 log.exception("engine check failed")
 
-
     async def _maintain(self) -> None:
         while True:
             await asyncio.sleep(self.config.maintenance_interval_s)
@@ -570,20 +338,6 @@ class Daemon:
                 await self.swapper.maintain()
             except Exception:
                 log.exception("storage maintenance failed")
-
-
-def _log_send_failure(sent: asyncio.Future, request_id: int | None) -> None:
-    exc = None if sent.cancelled() else sent.exception()
-    if isinstance(exc, zmq.Again):
-        log.warning("reply to request %s dropped: the client is not reading", request_id)
-    elif exc is not None:
-        log.warning("reply to request %s dropped: %s", request_id, exc)
-
-
-def _log_late_failure(task: asyncio.Future) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        exc = task.exception()
-        log.info("a request that timed out later failed: %s", exc)
 
 
 def _warn_if_writable_by_others(root: str) -> None:
@@ -615,6 +369,7 @@ def _is_loopback(host: str) -> bool:
 
 def run(config: Config) -> int:
     """Run a daemon until SIGTERM/SIGINT. Returns the process exit code."""
+    uvloop: Any
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; a missing wheel still runs

@@ -291,13 +291,13 @@ class _ItemBudget:
         return container
 
 
-def _check_size(frame: bytes) -> None:
+def _check_size(frame: bytes | memoryview) -> None:
     if len(frame) > MAX_MESSAGE_BYTES:
         raise TooLarge(f"message of {len(frame)} bytes, the limit is {MAX_MESSAGE_BYTES}",
                        size=len(frame), limit=MAX_MESSAGE_BYTES)
 
 
-def _unpack_request(frame: bytes) -> Any:
+def _unpack_request(frame: bytes | memoryview) -> Any:
     """Decode a request frame within the shape limits; raise a typed error past them."""
     _check_size(frame)
     budget = _ItemBudget()
@@ -363,7 +363,7 @@ def _valid_id(raw: Any) -> bool:
     return isinstance(raw, int) and not isinstance(raw, bool) and 0 <= raw <= MAX_REQUEST_ID
 
 
-def _unpacker(frame: bytes) -> msgpack.Unpacker:
+def _unpacker(frame: bytes | memoryview) -> msgpack.Unpacker:
     unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max(len(frame), 1), max_str_len=MAX_STRING_BYTES,
                                 max_bin_len=MAX_STRING_BYTES, max_array_len=2 * MAX_KEYS_PER_REQUEST,
                                 max_map_len=MAX_MAP_ENTRIES, max_ext_len=0)
@@ -371,13 +371,13 @@ def _unpacker(frame: bytes) -> msgpack.Unpacker:
     return unpacker
 
 
-def _container_at(frame: bytes, offset: int) -> bool:
+def _container_at(frame: bytes | memoryview, offset: int) -> bool:
     """Whether the msgpack object at ``offset`` is a map or an array (fix, 16- or 32-bit)."""
     first = frame[offset]
     return 0x80 <= first <= 0x9F or 0xDC <= first <= 0xDF
 
 
-def peek_id(frame: bytes) -> int | None:
+def peek_id(frame: bytes | memoryview) -> int | None:
     """The request id of a frame, if it has a readable one (to address an early refusal).
 
     Cheap whatever the frame holds, and builds nothing: one pass of msgpack's ``skip`` checks
@@ -406,7 +406,7 @@ def peek_id(frame: bytes) -> int | None:
     return None
 
 
-def decode_request(frame: bytes) -> Request:
+def decode_request(frame: bytes | memoryview) -> Request:
     """Parse and validate one request frame; raise :class:`DecodeError` (carrying the id when
     it could be read) for anything else."""
     request_id = None
@@ -454,7 +454,7 @@ def encode_reply(reply: Reply) -> bytes:
         return _pack(msg)
 
 
-def decode_reply(frame: bytes) -> Reply:
+def decode_reply(frame: bytes | memoryview) -> Reply:
     _check_size(frame)
     try:
         msg = msgpack.unpackb(frame, raw=False, strict_map_key=True)

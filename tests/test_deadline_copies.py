@@ -157,14 +157,14 @@ class Held:
             return await real_stop(deadline, *args, **kwargs)
 
         monkeypatch.setattr(Deadline, "stop", stop)
-        real_send = d.daemon._send
+        real_send = d.daemon.dispatcher.send
 
         def send(envelope: list[bytes], reply: Any) -> None:
             if self.hold is not None:
                 self.hold.reply(reply)
             real_send(envelope, reply)
 
-        monkeypatch.setattr(d.daemon, "_send", send)
+        monkeypatch.setattr(d.daemon.dispatcher, "send", send)
 
     def arm(self, at: int) -> RowHold:
         self.hold = RowHold(at)

@@ -75,7 +75,7 @@ def test_one_client_cannot_hold_more_than_its_share(tmp_path: Path, cache: HostK
         assert [greedy.wait(i)["status"] for i in sent] == [["stored"]] * 4
         assert greedy.lookup(["g0"]) == 1  # its slots came back
         # Nothing left counted for anyone (the count drops just after each answer is sent).
-        assert wait_until(lambda: d.daemon._per_client == {})
+        assert wait_until(lambda: d.daemon.dispatcher.per_client == {})
 
 
 def test_the_daemon_wide_limit_answers_busy_to_everyone(tmp_path: Path, cache: HostKVCache) -> None:

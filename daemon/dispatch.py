@@ -1,0 +1,253 @@
+"""The receive loop and its answers: every frame on the control socket becomes exactly one
+reply — its result, a typed error, ``timeout`` at its deadline, or ``unavailable`` when the
+daemon is going away.
+
+What one peer can make the loop hold or spend is bounded here (numbers in docs/security.md):
+the loop's time per frame by the protocol's shape limits and one frame handed on per read, so
+a flood delays another peer's request by about one frame; requests in flight per connection and
+in all (``max_inflight_per_client``, ``max_inflight_requests``), and the bytes their decoded
+fields hold (``max_inflight_request_bytes``, admission.py). The daemon (server.py) owns the
+socket's lifetime; what each op does is ops.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import weakref
+from typing import Any, Awaitable, Callable, cast
+
+import zmq
+import zmq.asyncio
+
+from kvswap.protocol import messages as m
+from kvswap.protocol.errors import Busy, Internal, KvswapError, Timeout, Unavailable
+from kvswap.protocol.limits import MAX_REPLY_BYTES
+
+from .admission import TRACK_REPLY_BYTES, RequestBudget, request_bytes
+from .config import Config
+from .deadline import Deadline
+from .metrics import Metrics
+
+log = logging.getLogger("kvswap.daemon")
+
+#: What runs a decoded request: its result (a map for the wire) or a raised typed error.
+Handle = Callable[[m.Request, Deadline], Awaitable[dict[str, Any]]]
+
+
+class Dispatcher:
+    """Reads frames, starts one task per request, answers each exactly once."""
+
+    def __init__(self, config: Config, metrics: Metrics, budget: RequestBudget, handle: Handle) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.budget = budget
+        self.handle = handle
+        #: False while the daemon starts and once it drains: new requests get 'unavailable'.
+        self.serving = False
+        self.sock: zmq.asyncio.Socket | None = None
+        #: The requests being answered.
+        self.requests: set[asyncio.Task] = set()
+        #: Requests in flight per client connection (ZMQ identity); entries go at zero.
+        self.per_client: dict[bytes, int] = {}
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    async def receive(self) -> None:
+        assert self.sock is not None
+        while True:
+            frames = await self.sock.recv_multipart(copy=False)
+            if len(frames) < 2:
+                continue  # a ROUTER always prefixes the peer identity; nothing to answer to
+            # The payload is read in place (a memoryview of ZMQ's buffer), not copied: a copy
+            # doubled what a 4 MiB frame costs in memory and time.
+            envelope, payload = [f.bytes for f in frames[:-1]], frames[-1].buffer
+            refusal = self._refusal(envelope[0])
+            if refusal is not None:
+                self.send(envelope, m.Reply(m.peek_id(payload), False, error=refusal))
+                if isinstance(refusal, Busy):
+                    self._count_refusal()
+                continue
+            client = envelope[0]
+            self.per_client[client] = self.per_client.get(client, 0) + 1
+            task = asyncio.ensure_future(self._answer(envelope, payload))
+            self.requests.add(task)
+            task.add_done_callback(self.requests.discard)
+            task.add_done_callback(functools.partial(self._client_done, client))
+            del frames, payload  # the task holds the frame only until it is decoded
+            # Let the task decode its frame (and a ping answer) before the next frame is read:
+            # a receive completes at once while frames are queued, so without this yield a
+            # flood of frames became tasks ahead of everyone else's (a ping waited 5 s).
+            await asyncio.sleep(0)
+
+    def _refusal(self, client: bytes) -> KvswapError | None:
+        """Why a frame from ``client`` is answered before it is decoded, or None."""
+        if not self.serving:
+            return Unavailable("the daemon is shutting down")
+        if len(self.requests) >= self.config.max_inflight_requests:
+            return Busy("too many requests in flight", limit=self.config.max_inflight_requests)
+        if self.per_client.get(client, 0) >= self.config.max_inflight_per_client:
+            # One engine (or a runaway loop in it) must not take every slot from the others.
+            return Busy("too many requests in flight from this client", limit=self.config.max_inflight_per_client)
+        if self.budget.full(client):  # refused before it is decoded: it costs nothing to hold
+            return Busy("too many request bytes in flight", limit=self.budget.limit)
+        return None
+
+    def _count_refusal(self) -> None:
+        """A request refused before decoding (in-flight limits) still counts as a request, so
+        the busy ratio's denominator is right."""
+        self.metrics.requests.labels(op="any", outcome="error").inc()
+        self.metrics.errors.labels(op="any", code="busy").inc()
+
+    def _client_done(self, client: bytes, _task: object) -> None:
+        held = self.per_client.get(client, 0) - 1
+        if held > 0:
+            self.per_client[client] = held
+        else:
+            self.per_client.pop(client, None)
+
+    def refuse_queued(self) -> int:
+        """Answer the frames still queued on the socket after the loop stopped; how many."""
+        assert self.sock is not None
+        answered = 0
+        while True:
+            # With NOBLOCK the asyncio socket completes the future at once.
+            pending = cast("asyncio.Future[list[bytes]]", self.sock.recv_multipart(flags=zmq.NOBLOCK))
+            if pending.exception() is not None:  # zmq.Again: nothing left (or the socket is gone)
+                return answered
+            frames = pending.result()
+            if len(frames) >= 2:
+                answered += 1
+                self.send(frames[:-1], m.Reply(m.peek_id(frames[-1]), False,
+                                               error=Unavailable("the daemon is shutting down")))
+
+    # -- one request ----------------------------------------------------------------------------
+
+    async def _answer(self, envelope: list[bytes], payload: memoryview) -> None:
+        """Exactly one reply per request, whatever happens: result, typed error, ``internal``
+        for a bug, ``unavailable`` when shutdown cancels it."""
+        started = time.perf_counter()
+        self.metrics.in_flight.inc()
+        op = "invalid"
+        request_id: int | None = None
+        try:
+            size = len(payload)
+            try:
+                request = m.decode_request(payload)
+            except m.DecodeError as exc:
+                op = exc.op or op  # a bad key in a lookup is counted as a lookup
+                log.info("bad %s frame (%d bytes): %s: %s", op, size, exc.error.code, exc.error.message)
+                reply = m.Reply(exc.request_id, False, error=exc.error)
+            else:
+                del payload  # a request waiting for its answer holds its decoded fields, not its frame
+                op, request_id = request.op, request.id
+                client, charge = envelope[0], request_bytes(request)
+                if not self.budget.take(client, charge):
+                    reply = m.Reply(request_id, False, error=Busy("too many request bytes in flight",
+                                                                  limit=self.budget.limit))
+                else:
+                    # Given back when the decoded request is freed, not at its answer: work that
+                    # runs on past its deadline still holds it.
+                    weakref.finalize(request, self.budget.give, client, charge)
+                    reply = await self._run(request)
+                    if reply.error is not None:
+                        # Raised out of the work task by work.result(), the error's traceback holds
+                        # _run's frame, which holds the task, which holds the error: a cycle that
+                        # kept every refused request's decoded keys until the cyclic GC ran.
+                        reply.error.__traceback__ = None
+        except asyncio.CancelledError:
+            self._reply(envelope, op, started, m.Reply(request_id, False, error=Unavailable(
+                "the daemon shut down before this request finished")))
+            raise
+        except Exception as exc:  # a bug outside the handler: still answer
+            log.exception("request %s (%s) failed", request_id, op)
+            reply = m.Reply(request_id, False, error=Internal(f"{type(exc).__name__}: {exc}"[:500]))
+        finally:
+            self.metrics.in_flight.dec()
+        self._reply(envelope, op, started, reply)
+
+    def _reply(self, envelope: list[bytes], op: str, started: float, reply: m.Reply) -> None:
+        self.send(envelope, reply)
+        self.metrics.requests.labels(op=op, outcome="ok" if reply.ok else "error").inc()
+        if not reply.ok and reply.error is not None:
+            self.metrics.errors.labels(op=op, code=reply.error.code).inc()
+        self.metrics.latency.labels(op=op).observe(time.perf_counter() - started)
+
+    async def _run(self, request: m.Request) -> m.Reply:
+        timeout_ms = request.timeout_ms or self.config.default_timeout_ms
+        deadline = Deadline(timeout_ms / 1000)
+        work = asyncio.ensure_future(self.handle(request, deadline))
+        try:
+            done, _ = await asyncio.wait({work}, timeout=deadline.remaining())
+        except asyncio.CancelledError:
+            # Shutdown: the caller answers 'unavailable'. The work is not cancelled (its copy
+            # threads cannot be); it stops touching engine memory and finishes on its own. The
+            # answer waits until its copies have stopped (deadline.py).
+            work.add_done_callback(_log_late_failure)
+            await self._stop_copies(deadline)
+            raise
+        if not done:
+            # Stop the copies, then answer; the work cleans up after itself.
+            work.add_done_callback(_log_late_failure)
+            await self._stop_copies(deadline)
+            log.warning("%s %d missed its deadline of %d ms", request.op, request.id, timeout_ms)
+            return m.Reply(request.id, False, error=Timeout(f"{request.op} did not finish within {timeout_ms} ms",
+                                                            timeout_ms=timeout_ms))
+        try:
+            return m.Reply(request.id, True, work.result())
+        except KvswapError as exc:
+            if exc.code not in ("not_registered", "busy"):
+                log.info("%s %d failed: %s: %s", request.op, request.id, exc.code, exc.message)
+            return m.Reply(request.id, False, error=exc)
+        except Exception as exc:  # a bug: still answer, so the engine never waits forever
+            log.exception("%s %d raised", request.op, request.id)
+            return m.Reply(request.id, False, error=Internal(f"{type(exc).__name__}: {exc}"[:500]))
+
+    async def _stop_copies(self, deadline: Deadline) -> None:
+        """No byte moves from or into the engine's memory for a request after its answer:
+        stop its copies and wait for the one in progress to end (at its next row) first."""
+        if not await asyncio.shield(deadline.stop()):
+            self.metrics.late_copies.inc()
+
+    # -- the socket -------------------------------------------------------------------------------
+
+    def send(self, envelope: list[bytes], reply: m.Reply) -> None:
+        assert self.sock is not None
+        try:
+            frame = m.encode_reply(reply)
+        except (TypeError, ValueError, OverflowError) as exc:  # a result msgpack cannot carry: a bug
+            log.error("reply to request %s cannot be encoded: %s", reply.id, exc)
+            frame = m.encode_reply(m.Reply(reply.id, False, error=Internal(f"unencodable reply: {exc}"[:500])))
+        if len(frame) > MAX_REPLY_BYTES:  # a bug too: what a peer holds of our memory is bounded by it
+            log.error("reply to request %s is %d bytes, over the limit of %d", reply.id, len(frame), MAX_REPLY_BYTES)
+            frame = m.encode_reply(m.Reply(reply.id, False, error=Internal(
+                "the reply is over the size limit", size=len(frame), limit=MAX_REPLY_BYTES)))
+        # With NOBLOCK the asyncio socket finishes the send at once and puts any error in the
+        # returned future rather than raising it. A ROUTER drops replies to vanished peers.
+        if len(frame) < TRACK_REPLY_BYTES:
+            sent = self.sock.send_multipart([*envelope, frame], flags=zmq.NOBLOCK)
+        else:  # sent without a copy, and charged to its connection while ZMQ holds it (admission.py)
+            body = zmq.Frame(frame, copy=False, track=True)
+            sent = self.sock.send_multipart([*envelope, body], flags=zmq.NOBLOCK, copy=False)
+            self.budget.track(envelope[0], len(frame), body.tracker)
+        future = cast("asyncio.Future[Any]", sent)
+        if future.done():
+            _log_send_failure(future, reply.id)
+        else:
+            future.add_done_callback(functools.partial(_log_send_failure, request_id=reply.id))
+
+
+def _log_send_failure(sent: "asyncio.Future[Any]", request_id: int | None) -> None:
+    exc = None if sent.cancelled() else sent.exception()
+    if isinstance(exc, zmq.Again):
+        log.warning("reply to request %s dropped: the client is not reading", request_id)
+    elif exc is not None:
+        log.warning("reply to request %s dropped: %s", request_id, exc)
+
+
+def _log_late_failure(task: "asyncio.Future[Any]") -> None:
+    if not task.cancelled() and task.exception() is not None:
+        exc = task.exception()
+        log.info("a request that timed out later failed: %s", exc)

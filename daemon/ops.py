@@ -1,0 +1,87 @@
+"""What each op does: a table from op name to handler, built once. A handler takes the decoded
+request and its deadline and returns the result map the wire carries (docs/protocol.md) or
+raises a typed error; swap_out and swap_in results are the typed ones of
+``kvswap.protocol.results``, put on the wire here.
+
+The swap ops are the swapper's; the rest are the daemon's own: identity and limits (hello),
+liveness (ping), the registration (register, unregister) and the state (stats).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+from kvswap import __version__
+from kvswap.protocol import messages as m
+from kvswap.protocol.errors import InvalidLayout
+from kvswap.protocol.layout import CacheLayout
+from kvswap.protocol.limits import MAX_KEY_LENGTH, MAX_KEYS_PER_REQUEST, MAX_MESSAGE_BYTES, PROTOCOL_VERSION
+from kvswap.protocol.results import SwapInResult, SwapOutResult
+
+from .config import Config
+from .deadline import Deadline
+from .registrar import Caller
+from .staging import slot_bytes_for
+from .swapper import Swapper
+
+Handler = Callable[[Any, Deadline], Awaitable[Any]]
+
+
+class Ops:
+    """The op handlers of one daemon. ``describe()`` adds the daemon's own facts (version,
+    storage directory, ports, descriptors) to ``stats``."""
+
+    def __init__(self, config: Config, swapper: Swapper, describe: Callable[[], dict[str, Any]]) -> None:
+        self.config = config
+        self.swapper = swapper
+        self._describe = describe
+        s = swapper
+        self.table: dict[str, Handler] = {
+            "hello": self._hello,
+            "ping": self._ping,
+            "register": self._register,
+            "unregister": self._unregister,
+            "swap_out": lambda r, d: s.swap_out(r.block_ids, r.keys, r.wait, d, r.partial, Caller(r.token, r.pid)),
+            "swap_in": lambda r, d: s.swap_in(r.keys, r.block_ids, d, Caller(r.token, r.pid)),
+            "lookup": lambda r, d: s.lookup(r.keys),
+            "delete": lambda r, d: s.delete(r.keys),
+            "clear": lambda r, d: s.clear(),
+            "flush": lambda r, d: s.flush(),
+            "stats": self._stats,
+        }
+
+    async def handle(self, request: m.Request, deadline: Deadline) -> dict[str, Any]:
+        result = await self.table[request.op](request, deadline)
+        if isinstance(result, (SwapOutResult, SwapInResult)):
+            return result.to_wire()
+        return result
+
+    async def _hello(self, request: m.Hello, deadline: Deadline) -> dict[str, Any]:
+        return {"server": "kvswapd", "version": __version__, "protocol": PROTOCOL_VERSION,
+                "registered": self.swapper.registration is not None,
+                "limits": {"max_message_bytes": MAX_MESSAGE_BYTES, "max_keys_per_request": MAX_KEYS_PER_REQUEST,
+                           "max_key_length": MAX_KEY_LENGTH}}
+
+    async def _ping(self, request: m.Ping, deadline: Deadline) -> dict[str, Any]:
+        return {"pong": True}
+
+    async def _register(self, request: m.Register, deadline: Deadline) -> dict[str, Any]:
+        # Before anything is mapped or allocated: staging holds at least one whole record per
+        # pool, so a layout with huge records (over a sparse segment that costs its sender
+        # nothing) would make the daemon allocate and touch that much memory twice over.
+        layout = CacheLayout.from_wire(request.layout)
+        slot = slot_bytes_for(layout.record_bytes)
+        budget = min(self.config.write_staging_bytes, self.config.read_staging_bytes)
+        if slot > budget:
+            raise InvalidLayout(f"a record of {layout.record_bytes} bytes does not fit in the staging memory of "
+                                f"{budget} bytes; raise --write-staging-bytes and --read-staging-bytes",
+                                record_bytes=layout.record_bytes, staging_bytes=budget)
+        return await self.swapper.registrar.register(request.layout, request.handles, request.regions, request.pid)
+
+    async def _unregister(self, request: m.Unregister, deadline: Deadline) -> dict[str, Any]:
+        return {"released": await self.swapper.registrar.unregister(Caller(request.token, request.pid))}
+
+    async def _stats(self, request: m.Stats, deadline: Deadline) -> dict[str, Any]:
+        out = self.swapper.stats()
+        out.update(self._describe())
+        return out
