@@ -5,7 +5,9 @@
 #   2. the system packages the tests start or load, from apt where missing: redis-server (the
 #      Redis tier tests), libibverbs1 (Mooncake's client library links it even for TCP),
 #      prometheus (promtool and prometheus, for the deploy tests) and systemd (systemd-analyze);
-#   3. pytest, with any arguments given here (scripts/test.sh tests/test_record.py -x).
+#   3. mypy over the whole package (settings in pyproject.toml, [tool.mypy]): a type error
+#      fails the run before any test;
+#   4. pytest, with any arguments given here (scripts/test.sh tests/test_record.py -x).
 #
 # A component that is still missing after step 2 stops the run with its name: its tests would
 # only skip, and a green run would hide that. A contributor without root may accept the skips
@@ -60,4 +62,5 @@ if [ -n "$still" ]; then
     fi
 fi
 
+python -m mypy
 exec python -m pytest -q "$@"
