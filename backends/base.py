@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import abc
 import enum
-from typing import Any, Container, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Container, Iterable, Protocol, Sequence
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from .host_arena import HostArena
 
 
 class GetStatus(str, enum.Enum):
@@ -20,11 +25,27 @@ class GetStatus(str, enum.Enum):
     CORRUPT = "corrupt"
 
 
+class HeldRecord(Protocol):
+    """One record's bytes in host memory, held for the caller until it calls ``release``: a
+    slot of the daemon's arena (:class:`~.host_arena.ArenaSlot`), taken for staging or found by
+    a RAM hit. ``view`` is exactly the record's payload."""
+
+    @property
+    def view(self) -> "np.ndarray": ...
+
+    def retain(self) -> "HeldRecord": ...
+
+    def release(self) -> None: ...
+
+
 class Store(abc.ABC):
     """Records of one namespace in one tier."""
 
     #: Tier name used in metrics and configuration ("file", "host", "remote").
     tier: str = ""
+    #: Whether :meth:`hold` can find records: the tier keeps them in the daemon's host arena
+    #: (the RAM tier). A swap_in asks such tiers first, with no I/O, and reads from the others.
+    holds_records: bool = False
 
     @abc.abstractmethod
     def put(self, key: str, payload: memoryview) -> int:
@@ -79,6 +100,18 @@ class Store(abc.ABC):
         return sum(1 for key in keys if self.delete(key))
 
     # -- optional capabilities: no-op defaults, so the daemon never asks ``hasattr`` ----------
+
+    def put_slot(self, key: str, slot: HeldRecord) -> int:
+        """Store the record in ``slot``, a staging slot the caller holds (swap_out's gathered
+        record, a swap_in's read being promoted). A tier that keeps records in that very memory
+        keeps the slot itself, with no copy; the default writes its bytes like :meth:`put`."""
+        return self.put(key, slot.view.data)
+
+    def hold(self, key: str) -> HeldRecord | None:
+        """The record where it lies in memory, held for the caller (who releases it) so that a
+        swap_in copies straight from it; None when this tier does not have it. Tiers whose
+        :attr:`holds_records` is False hold nothing: they read into a buffer (:meth:`get_into`)."""
+        return None
 
     def scan(self) -> int:
         """Rebuild what the store knows from its medium (the file tier's directory scan);
@@ -136,6 +169,13 @@ class Backend(abc.ABC):
         """Check the tier's health now (may block for a connect timeout); returns
         :attr:`healthy`. Local tiers have nothing to probe."""
         return True
+
+    def make_arena(self, record_bytes: int, staging_slots: int) -> "HostArena | None":
+        """A tier that keeps records in the daemon's host memory (the RAM tier) makes the arena
+        for a registration's record size: ``staging_slots`` slots for staging plus its own share,
+        and keeps its records in it from then on. Others return None (the daemon then makes an
+        arena of staging slots alone)."""
+        return None
 
     def register_buffer(self, buf: Any) -> None:
         """Let the tier transfer straight from (or into) ``buf``, a staging arena the daemon

@@ -104,13 +104,15 @@ class Registrar:
             registration = await self._run(Registration.attach, layout, handles, regions, pid)
             try:
                 await self._check_holder(pid)
-                tiers = self.namespaces.get(registration.namespace)
-                if tiers is None:
-                    tiers = await self._run(self._open_namespace, registration)
+                # Staging's arena first: the RAM tier's stores keep their records in it.
+                await self._run(self.staging.prepare, registration.record_bytes)
+                cached = self.namespaces.get(registration.namespace)
+                tiers = await self._run(self._open_namespace, registration, cached)
+                if tiers is not cached:
                     self.namespaces[registration.namespace] = tiers
                     for store in tiers:
-                        self.on_open_store(store)
-                await self._run(self.staging.prepare, registration.record_bytes)
+                        if cached is None or store not in cached.stores.values():
+                            self.on_open_store(store)
                 await self._run(self.staging.pin, registration.mover)
             except BaseException:
                 await self._run(registration.close)
@@ -148,10 +150,17 @@ class Registrar:
         log.warning("engine pid %d is gone; releasing its registration for pid %d", holder.pid, pid)
         await self._release(holder, "engine_exited")
 
-    def _open_namespace(self, registration: Registration) -> NamespaceTiers:
-        stores = {tier: backend.open_store(registration.namespace, registration.layout.to_wire(),
-                                           registration.record_bytes)
+    def _open_namespace(self, registration: Registration, cached: NamespaceTiers | None = None) -> NamespaceTiers:
+        """The namespace's stores, one per tier. Those of ``cached`` are kept (a warm index),
+        except the ones keeping records in host memory: those are asked for again, since the arena
+        they keep records in may have been replaced since (a register of another record size that
+        failed after making its arena); ``cached`` itself when nothing changed."""
+        old = cached.stores if cached is not None else {}
+        stores = {tier: old[tier] if tier in old and not old[tier].holds_records else
+                  backend.open_store(registration.namespace, registration.layout.to_wire(), registration.record_bytes)
                   for tier, backend in self.backends.items()}
+        if cached is not None and all(stores[tier] is old.get(tier) for tier in stores):
+            return cached
         return NamespaceTiers(stores, self.locations, self.metrics)
 
     async def unregister(self, caller: Caller) -> bool:

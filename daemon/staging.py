@@ -1,15 +1,15 @@
-"""Bounded staging memory: fixed-size slots, one record each, in the daemon's host pool.
+"""Bounded staging memory: fixed-size slots, one record each, in the daemon's host arena.
 
 Every byte a swap moves passes through a slot, so the slot count is the daemon's memory
 bound: when none are free, swap_out answers ``busy`` rather than allocating more. Slots are
 4 KiB aligned so direct I/O can use them, and are faulted in before they are handed out, so
 no page fault lands on the swap path.
 
-:class:`Staging` is the daemon's staging: one :class:`~kvswap.backends.host_pool.HostPool`
+:class:`Staging` is the daemon's staging: one :class:`~kvswap.backends.host_arena.HostArena`
 shared by a write window (swap_out), a read window (swap_in) and the RAM tier, its metrics,
 its pinning for GPU movers and its registration with tiers that transfer straight from
 registered memory. Its interface is slots: take them (all or nothing), hold them with
-``retain``, give them back with ``release``; a slot returns to the pool when its last holder
+``retain``, give them back with ``release``; a slot returns to the arena when its last holder
 lets go, as a free slot or, when the RAM tier kept it, as a cached record.
 """
 
@@ -20,10 +20,12 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
-from kvswap.backends.base import Backend
+import numpy as np
+
+from kvswap.backends.base import Backend, HeldRecord
 from kvswap.backends.disk import aligned_empty
-from kvswap.backends.host_pool import HostPool, HostPoolBackend, PoolWindow
-from kvswap.backends.host_pool import PoolSlot as Slot
+from kvswap.backends.host_arena import ArenaSlot as Slot
+from kvswap.backends.host_arena import ArenaWindow, HostArena
 from kvswap.protocol.errors import Busy, TooLarge
 from kvswap.common.units import round_up_to_page
 
@@ -38,70 +40,74 @@ log = logging.getLogger(__name__)
 
 def slot_bytes_for(record_bytes: int) -> int:
     """Bytes one staging slot takes for a record: whole pages, so every slot starts aligned.
-    The host pool sizes its slots by the same rule (``round_up_to_page``; backends cannot import
+    The host arena sizes its slots by the same rule (``round_up_to_page``; backends cannot import
     the daemon)."""
     return round_up_to_page(record_bytes)
 
 
-class StagingPool(PoolWindow):
-    """A standalone staging pool: a window over a pool of its own (no RAM tier). The daemon's
-    :class:`Staging` shares one pool between its windows and the RAM tier instead."""
+class StagingPool(ArenaWindow):
+    """A standalone staging pool: a window over an arena of its own (no RAM tier). The daemon's
+    :class:`Staging` shares one arena between its windows and the RAM tier instead."""
 
     def __init__(self, record_bytes: int, budget_bytes: int, name: str = "staging") -> None:
         capacity = max(1, budget_bytes // slot_bytes_for(record_bytes))
-        super().__init__(HostPool(record_bytes, capacity), name, capacity)
+        super().__init__(HostArena(record_bytes, capacity), name, capacity)
+
+    @property
+    def arena(self) -> np.ndarray:
+        """The arena's memory (what GPU movers pin)."""
+        return self._arena.memory
 
     @property
     def _slots(self) -> list[Slot]:
         """Every slot by index (tests pick slots at chosen places in the arena)."""
-        return self.pool._slots
+        return self._arena._slots
 
 
 class Staging:
-    """The write and read windows for the registered record size, over one host pool that
-    also holds the RAM tier's records (see :mod:`kvswap.backends.host_pool`).
+    """The write and read windows for the registered record size, over one host arena that
+    also holds the RAM tier's records (see :mod:`kvswap.backends.host_arena`).
 
-    The pool is made (and remade when the record size changes) by :meth:`prepare`, on a
-    thread: reserving and faulting in the staging share takes time. The pool it replaces is
-    retired: it hands out nothing more, and its memory is unmapped when its last held slot is
-    released (at once if none is), not left to the cyclic GC. Slots are taken and released on
-    the event loop; the RAM-tier share is faulted in on a background thread as it fills.
+    The arena is made (and remade when the record size changes) by :meth:`prepare`, on a
+    thread: reserving and faulting in the staging share takes time. The tier that keeps records
+    in host memory makes it, with its own share and the RAM tier over it
+    (:meth:`~kvswap.backends.base.Backend.make_arena`); without one, staging makes a plain one.
+    The arena it replaces is retired: it hands out nothing more, and its memory is unmapped when
+    its last held slot is released (at once if none is), not left to the cyclic GC. Slots are
+    taken and released on the event loop; the RAM-tier share is faulted in on a background
+    thread as it fills.
     """
 
     def __init__(self, write_bytes: int, read_bytes: int, backends: Iterable[Backend], metrics: Metrics,
-                 ram: HostPoolBackend | None = None, nice: int = 0) -> None:
+                 nice: int = 0) -> None:
         self.write_bytes = write_bytes
         self.read_bytes = read_bytes
         self.backends = list(backends)
         self.metrics = metrics
-        self.ram = ram
         self.nice = nice
-        self.pool: HostPool | None = None
-        self.write: PoolWindow | None = None
-        self.read: PoolWindow | None = None
+        self.arena: HostArena | None = None
+        self.write: ArenaWindow | None = None
+        self.read: ArenaWindow | None = None
         # Created on first use, on the loop: swap_ins waiting for read slots wait on it.
         self._read_freed: asyncio.Condition | None = None
         self._grower: ThreadPoolExecutor | None = None
         self._growing = False
 
     @property
-    def pools(self) -> list[PoolWindow]:
+    def pools(self) -> list[ArenaWindow]:
         return [p for p in (self.write, self.read) if p is not None]
 
     def prepare(self, record_bytes: int) -> None:
-        """A pool of ``record_bytes`` slots (blocking: run on a thread)."""
-        if self.pool is not None and self.pool.record_bytes == record_bytes:
+        """An arena of ``record_bytes`` slots (blocking: run on a thread)."""
+        if self.arena is not None and self.arena.record_bytes == record_bytes:
             return
         slot_bytes = slot_bytes_for(record_bytes)
         writes = max(1, self.write_bytes // slot_bytes)
         reads = max(1, self.read_bytes // slot_bytes)
-        cache = self.ram.cache_slots(slot_bytes) if self.ram is not None else 0
-        pool = HostPool(record_bytes, writes + reads, cache)
-        write, read = PoolWindow(pool, "write", writes), PoolWindow(pool, "read", reads)
-        self._register_with_tiers(pool)
-        if self.ram is not None:
-            self.ram.attach(pool)
-        old, self.pool, self.write, self.read = self.pool, pool, write, read
+        arena = self._make_arena(record_bytes, writes + reads)
+        write, read = ArenaWindow(arena, "write", writes), ArenaWindow(arena, "read", reads)
+        self._register_with_tiers(arena)
+        old, self.arena, self.write, self.read = self.arena, arena, write, read
         self.metrics.staging_slots.clear()
         for window in (write, read):
             free, used = _reading(window)
@@ -110,11 +116,19 @@ class Staging:
         if old is not None:
             old.retire()  # unmapped now, or when the writes and reads holding its slots release them
 
+    def _make_arena(self, record_bytes: int, staging_slots: int) -> HostArena:
+        """The RAM tier's arena (staging's share and its own) where there is one, else staging's."""
+        for backend in self.backends:
+            arena = backend.make_arena(record_bytes, staging_slots)
+            if arena is not None:
+                return arena
+        return HostArena(record_bytes, staging_slots)
+
     def _grow(self) -> None:
-        """Fault in the rest of the pool's RAM-tier share in the background once the free
+        """Fault in the rest of the arena's RAM-tier share in the background once the free
         slots run low (on the loop; the faulting itself runs on a low-priority thread)."""
-        pool = self.pool
-        if pool is None or self._growing or not pool.wants_growth():
+        arena = self.arena
+        if arena is None or self._growing or not arena.wants_growth():
             return
         if self._grower is None:
             self._grower = data_pool(1, "kvswap-fault", self.nice)
@@ -125,29 +139,29 @@ class Staging:
             if fut.exception() is not None:
                 log.error("faulting in the host pool failed: %s", fut.exception())
 
-        asyncio.get_running_loop().run_in_executor(self._grower, pool.grow_all).add_done_callback(done)
+        asyncio.get_running_loop().run_in_executor(self._grower, arena.grow_all).add_done_callback(done)
 
     def close(self) -> None:
         if self._grower is not None:
             self._grower.shutdown(wait=True)
 
     def pin(self, mover: Mover) -> None:
-        """Page-lock the pool's arena for a GPU mover now, not on the first swap (blocking)."""
-        if self.pool is not None:
-            mover.pin_host(self.pool.arena)
+        """Page-lock the arena's memory for a GPU mover now, not on the first swap (blocking)."""
+        if self.arena is not None:
+            mover.pin_host(self.arena.memory)
 
-    def _register_with_tiers(self, pool: HostPool) -> None:
-        """Tiers that can transfer straight from registered memory (Mooncake) get the pool's
-        arena, so records move without an extra copy."""
+    def _register_with_tiers(self, arena: HostArena) -> None:
+        """Tiers that can transfer straight from registered memory (Mooncake) get the arena's
+        memory, so records move without an extra copy."""
         for backend in self.backends:
             try:
-                backend.register_buffer(pool.arena)
+                backend.register_buffer(arena.memory)
             except Exception as exc:  # zero-copy is an optimisation; copying still works
                 log.warning("cannot register staging with the %s tier: %s", backend.tier, exc)
                 continue
             unregister = getattr(backend, "unregister_buffer", None)
             if unregister is not None:  # it keeps the arena referenced (and registered) until told
-                pool.before_unmap.append(unregister)
+                arena.before_unmap.append(unregister)
 
     # -- slots ----------------------------------------------------------------------------------
 
@@ -191,8 +205,9 @@ class Staging:
                     return taken
                 await freed.wait()
 
-    async def release(self, slots: Iterable[Slot]) -> None:
-        """Let go of slots (write or read) and wake swap_ins waiting for read slots."""
+    async def release(self, slots: Iterable[HeldRecord]) -> None:
+        """Let go of slots (write, read, or held by a RAM hit) and wake swap_ins waiting for
+        read slots."""
         for slot in slots:
             slot.release()
         freed = self._freed()
@@ -207,13 +222,13 @@ class Staging:
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {f"{w.name}_staging": {"slots": w.capacity, "free": w.free, "slot_bytes": w.slot_bytes}
                                for w in self.pools}
-        if self.pool is not None:
-            out["host_pool"] = {"slots": self.pool.capacity, "faulted": self.pool.faulted,
-                                "available": self.pool.available, "slot_bytes": self.pool.slot_bytes,
+        if self.arena is not None:
+            out["host_pool"] = {"slots": self.arena.capacity, "faulted": self.arena.faulted,
+                                "available": self.arena.available, "slot_bytes": self.arena.slot_bytes,
                                 "growing": self._growing}
         return out
 
 
-def _reading(window: PoolWindow) -> tuple[Callable[[], float], Callable[[], float]]:
+def _reading(window: ArenaWindow) -> tuple[Callable[[], float], Callable[[], float]]:
     """Gauge callbacks for a window's free and used slot counts."""
     return (lambda: window.free), (lambda: window.in_use)

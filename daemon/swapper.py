@@ -31,8 +31,7 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
-from kvswap.backends.base import Backend, GetStatus, Store
-from kvswap.backends.host_pool import HostPoolBackend, HostPoolStore
+from kvswap.backends.base import Backend, GetStatus, HeldRecord, Store
 from kvswap.protocol.errors import KvswapError, NotRegistered, Timeout
 
 from .config import Config
@@ -61,9 +60,8 @@ class Swapper:
         self.backends = backends
         self.locations = locations
         self.metrics = metrics
-        ram = backends.get("host")
         self.staging = Staging(config.write_staging_bytes, config.read_staging_bytes, backends.values(), metrics,
-                               ram if isinstance(ram, HostPoolBackend) else None, config.data_thread_nice)
+                               config.data_thread_nice)
         self.registrar = Registrar(backends, locations, self.staging, metrics)
         self.upkeep = Upkeep(backends.values(), self.registrar, config.remote_check_interval_s,
                              config.data_thread_nice)
@@ -173,7 +171,7 @@ class Swapper:
         self.metrics.pending_writes.set(len(self._inflight))
 
         def submit(start: int, stop: int) -> Future:
-            items = [(key, entry.slot.view.data) for key, entry in entries[start:stop]]
+            items = [(key, entry.slot) for key, entry in entries[start:stop]]
             return self._write_pool.submit(_write_chunk, tiers, items)  # type: ignore[union-attr]
 
         chunks, failure = await self._run(self._copy_pool, _gather_and_submit, registration,
@@ -274,28 +272,32 @@ class Swapper:
         # and copies overlap); GPU movers want the wave in one call (one upload, one kernel).
         per_record = not registration.mover.batches_scatter
         live = _guard(registration, deadline)
-        ram = _ram_first(tiers)
 
         async def load(indices: list[int]) -> None:
-            slots: list[Slot] = []
+            slots: list[HeldRecord] = []
             try:
-                # Records still being written come from their staging slot; the rest are read
-                # from the tiers into read slots, in parallel.
-                sources: dict[int, Slot] = {}
+                # Records still being written come from their staging slot, records the tiers
+                # hold in memory (a RAM hit) from where they lie: one copy each. The rest are
+                # read from the tiers into read slots, in parallel.
+                sources: dict[int, HeldRecord] = {}
                 to_read = []
-                ram_hits = 0
+                writing: list[tuple[int, InflightWrite]] = []
+                stored: list[int] = []
+                stored_keys: list[str] = []
                 for i in indices:
                     entry = self._inflight.get(registration.namespace, keys[i])
                     if entry is None:
-                        # A RAM hit is scattered straight from its pool slot: one copy.
-                        held = ram.hold(keys[i]) if ram is not None else None
-                        if held is None:
-                            to_read.append(i)
-                        else:
-                            slots.append(held)
-                            sources[i] = held
-                            ram_hits += 1
-                        continue
+                        stored.append(i)
+                        stored_keys.append(keys[i])
+                    else:
+                        writing.append((i, entry))
+                for i, held in zip(stored, tiers.hold(stored_keys)):
+                    if held is None:
+                        to_read.append(i)
+                    else:
+                        slots.append(held)
+                        sources[i] = held
+                for i, entry in writing:
                     slots.append(entry.slot.retain())
                     try:
                         await entry.copied
@@ -313,7 +315,7 @@ class Swapper:
                 # must never write into a slot another request has taken.
                 grouped = await asyncio.gather(*(
                     self._run(self._read_pool, _read_records, tiers,
-                              [(keys[i], slot.view, (registration, block_ids[i], live) if per_record else None)
+                              [(keys[i], slot, (registration, block_ids[i], live) if per_record else None)
                                for i, slot in group])
                     for group in groups), return_exceptions=True)
                 read_groups: list[list[str]] = []
@@ -327,8 +329,6 @@ class Swapper:
                     status[i] = by_index[i]
                     if status[i] == "loaded" and not per_record:
                         sources[i] = slot
-                if ram_hits:
-                    self._count_ram_hits(ram_hits, registration.record_bytes)
                 order = sorted(sources)
                 ok = await self._run(self._copy_pool, _scatter_many, registration, [block_ids[i] for i in order],
                                      [sources[i].view for i in order], live)
@@ -356,11 +356,6 @@ class Swapper:
             self.metrics.blocks.labels(op="swap_in", status=s).inc()
         self.metrics.bytes.labels(direction="in").inc(status.count("loaded") * registration.record_bytes)
         return {"loaded": loaded, "status": status}
-
-    def _count_ram_hits(self, hits: int, record_bytes: int) -> None:
-        """RAM hits served from their slots skip the tiers' read path; count them as it would."""
-        self.metrics.tier_ops.labels(tier="host", op="get", result="hit").inc(hits)
-        self.metrics.tier_bytes.labels(tier="host", direction="read").inc(hits * record_bytes)
 
     # -- lookup, delete, clear, flush ---------------------------------------------------------------
 
@@ -504,7 +499,7 @@ def _gather_and_submit(registration: Registration, block_ids: list[int], slots: 
     return chunks, None
 
 
-def _write_chunk(tiers: NamespaceTiers, items: list[tuple[str, memoryview]]) -> tuple[list[str], Counter]:
+def _write_chunk(tiers: NamespaceTiers, items: list[tuple[str, Slot]]) -> tuple[list[str], Counter]:
     """Write a few records on one write thread: one loop wake-up per chunk, not per record.
     Each record's outcome is its own ("stored" or an error code); failures are counted by
     (tier, code, reason) for the request's one log line."""
@@ -522,13 +517,6 @@ def _write_chunk(tiers: NamespaceTiers, items: list[tuple[str, memoryview]]) -> 
     return outcomes, failures
 
 
-def _ram_first(tiers: NamespaceTiers) -> HostPoolStore | None:
-    """The RAM tier's store when it is the first place swap_in looks (then a hit there may be
-    scattered straight from its slot without changing which copy is served)."""
-    first = tiers.retrieve_from[0] if tiers.retrieve_from else None
-    return first if isinstance(first, HostPoolStore) else None
-
-
 def _scatter_many(registration: Registration, block_ids: list[int], slots: list[Any], guard: CopyGuard) -> bool:
     """Scatter records into engine blocks inside ``guard.copying()`` (the answer waits for it).
     False if the copy was refused or cut short: the blocks' contents are then undefined."""
@@ -538,17 +526,17 @@ def _scatter_many(registration: Registration, block_ids: list[int], slots: list[
         return allowed and registration.mover.scatter_blocks(block_ids, slots, guard)
 
 
-def _read_records(tiers: NamespaceTiers, items: list[tuple[str, Any, Any]]) -> list[str]:
+def _read_records(tiers: NamespaceTiers, items: list[tuple[str, Slot, Any]]) -> list[str]:
     """Read a group of records on one read thread: ``_read_record`` for each."""
     return [_read_record(tiers, key, slot, scatter_to) for key, slot, scatter_to in items]
 
 
-def _read_record(tiers: NamespaceTiers, key: str, slot: Any,
+def _read_record(tiers: NamespaceTiers, key: str, slot: Slot,
                  scatter_to: tuple[Registration, int, CopyGuard] | None = None) -> str:
-    """Read one record into ``slot``; with ``scatter_to``, also copy it into its engine block
-    right here on the read thread."""
-    status, _ = tiers.read(key, memoryview(slot))
+    """Read one record into ``slot`` (a read slot); with ``scatter_to``, also copy it into its
+    engine block right here on the read thread."""
+    status, _ = tiers.read(key, slot)
     if status != "loaded" or scatter_to is None:
         return status
     registration, block_id, live = scatter_to
-    return "loaded" if _scatter_many(registration, [block_id], [slot], live) else "error"
+    return "loaded" if _scatter_many(registration, [block_id], [slot.view], live) else "error"

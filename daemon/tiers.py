@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from kvswap.backends.base import Backend, GetStatus, Store
+from kvswap.backends.base import Backend, GetStatus, HeldRecord, Store
 from kvswap.protocol.errors import IOFailure, KvswapError, Unavailable
 
 from .metrics import Metrics
@@ -72,7 +72,13 @@ class Locations:
 
 class NamespaceTiers:
     """The stores of one namespace, one per configured tier, and the record-level work that
-    spans them. Methods run on I/O threads."""
+    spans them. Methods run on I/O threads, except :meth:`hold` and :meth:`cached_prefix`
+    (memory only, on the loop).
+
+    A swap_in finds each record in the retrieve locations, in order, asking each tier once: the
+    leading ones that keep records in memory (the RAM tier, where it comes first) are asked by
+    :meth:`hold`, which returns the record where it lies, held for a copy straight from it; a
+    record they lack is read into a staging slot from the tiers after them by :meth:`read`."""
 
     def __init__(self, stores: dict[str, Store], locations: Locations, metrics: Metrics) -> None:
         self.stores = stores
@@ -80,6 +86,11 @@ class NamespaceTiers:
         self.metrics = metrics
         self.store_to = [stores[t] for t in locations.store]
         self.retrieve_from = [stores[t] for t in locations.retrieve]
+        held = 0
+        while held < len(self.retrieve_from) and self.retrieve_from[held].holds_records:
+            held += 1
+        #: The retrieve tiers :meth:`hold` asks, and those :meth:`read` goes on with.
+        self.hold_from, self.read_from = self.retrieve_from[:held], self.retrieve_from[held:]
         self.host = stores.get("host") if locations.promote else None
 
     def __iter__(self):
@@ -147,15 +158,16 @@ class NamespaceTiers:
 
     # -- records ------------------------------------------------------------------------------
 
-    def write(self, key: str, payload: memoryview) -> str:
-        """Store one record in every store location. "stored" only when all have it; else the
-        first failure's code (the record may be in the other tiers)."""
+    def write(self, key: str, slot: HeldRecord) -> str:
+        """Store one record, gathered into ``slot``, in every store location (the RAM tier keeps
+        the slot itself). "stored" only when all have it; else the first failure's code (the
+        record may be in the other tiers)."""
         failure: KvswapError | None = None
         for store in self.store_to:
             started = time.perf_counter()
             try:
-                store.put(key, payload)
-                self._count(store, "put", "ok", started, len(payload), "write")
+                store.put_slot(key, slot)
+                self._count(store, "put", "ok", started, slot.view.nbytes, "write")
             except KvswapError as exc:
                 self._count(store, "put", exc.code, started)
                 if failure is None:
@@ -165,11 +177,33 @@ class NamespaceTiers:
             raise _failure(failure, key)
         return "stored"
 
-    def read(self, key: str, out: memoryview) -> tuple[str, str | None]:
-        """Load one record into ``out`` from the first retrieve tier that has a good copy.
-        Returns (status, tier). A corrupt copy in one tier does not stop the search."""
+    def hold(self, keys: Sequence[str]) -> list[HeldRecord | None]:
+        """Each record held where it lies in the first of :attr:`hold_from` that has it (the
+        caller releases it), or None. Memory only: the loop calls it, once per swap_in wave, so
+        each tier's hits and misses are counted in one step (not timed: a look-up under a lock)."""
+        found: list[HeldRecord | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for store in self.hold_from:
+            missed, nbytes = [], 0
+            for i in todo:
+                held = found[i] = store.hold(keys[i])
+                if held is None:
+                    missed.append(i)
+                else:
+                    nbytes += held.view.nbytes
+            self._tally(store, len(todo) - len(missed), len(missed), nbytes)
+            todo = missed
+            if not todo:
+                break
+        return found
+
+    def read(self, key: str, slot: HeldRecord) -> tuple[str, str | None]:
+        """Load one record into ``slot`` from the first of :attr:`read_from` (the retrieve tiers
+        after those :meth:`hold` asked) that has a good copy. Returns (status, tier). A corrupt
+        copy in one tier does not stop the search."""
         status = GetStatus.MISS.value
-        for store in self.retrieve_from:
+        out = slot.view.data
+        for store in self.read_from:
             started = time.perf_counter()
             try:
                 result = store.get_into(key, out)
@@ -182,7 +216,7 @@ class NamespaceTiers:
                 continue
             if result is GetStatus.LOADED:
                 self._count(store, "get", "hit", started, len(out), "read")
-                self._promote(store, key, out)
+                self._promote(store, key, slot)
                 return "loaded", store.tier
             self._count(store, "get", result.value, started)
             if result is GetStatus.CORRUPT:
@@ -190,15 +224,24 @@ class NamespaceTiers:
                 status = "corrupt"
         return status, None
 
-    def _promote(self, source: Store, key: str, payload: memoryview) -> None:
+    def _promote(self, source: Store, key: str, slot: HeldRecord) -> None:
+        """Keep a record read from a lower tier in RAM too: the read slot itself is kept."""
         if self.host is None or source is self.host:
             return
         started = time.perf_counter()
         try:
-            self.host.put(key, payload)
-            self._count(self.host, "promote", "ok", started, len(payload), "write")
+            self.host.put_slot(key, slot)
+            self._count(self.host, "promote", "ok", started, slot.view.nbytes, "write")
         except KvswapError as exc:
             self._count(self.host, "promote", exc.code, started)
+
+    def _tally(self, store: Store, hits: int, misses: int, nbytes: int) -> None:
+        m = self.metrics
+        if hits:
+            m.tier_ops.labels(tier=store.tier, op="get", result="hit").inc(hits)
+            m.tier_bytes.labels(tier=store.tier, direction="read").inc(nbytes)
+        if misses:
+            m.tier_ops.labels(tier=store.tier, op="get", result="miss").inc(misses)
 
     def _count(self, store: Store, op: str, result: str, started: float, nbytes: int = 0,
                direction: str | None = None) -> None:
@@ -234,10 +277,11 @@ def open_backends(config: Any) -> dict[str, Backend]:
 
     backends: dict[str, Backend] = {}
     if config.host_tier_bytes:
-        from kvswap.backends.host_pool import HostPoolBackend
+        from kvswap.backends.ram_tier import HostBackend
 
-        # The RAM tier lives in the daemon's host pool, beside staging (one copy on a hit).
-        backends["host"] = HostPoolBackend(config.host_tier_bytes)
+        # The RAM tier makes the daemon's host arena and keeps records in it, beside staging
+        # (one copy on a hit).
+        backends["host"] = HostBackend(config.host_tier_bytes)
     backends["file"] = FileBackend(
         config.storage_dir, fsync=config.fsync, direct_io=config.direct_io,
         capacity=Capacity(config.storage_max_bytes, config.storage_min_free_bytes),

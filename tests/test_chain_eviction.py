@@ -1,7 +1,7 @@
 """Eviction keeps prefix chains whole (issue 14): the rule as a pure unit (kvswap.backends.chains),
 the file and host stores under it, and a real daemon filled past its cap whose every stored
 record is reachable by a lookup of its chain. The host tier here is the one the daemon runs:
-the RAM tier's records in the host pool (kvswap.backends.host_pool)."""
+the RAM tier's records in the host arena (kvswap.backends.ram_tier)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from kvswap.backends import chains
 from kvswap.backends.chains import ChainOrder
 from kvswap.backends.file_store import Capacity, FileBackend
-from kvswap.backends.host_pool import HostPool, HostPoolBackend
+from kvswap.backends.ram_tier import HostBackend
 from kvswap.protocol import CacheLayout, Client, HostKVCache, NoSpace
 from support import DaemonProcess, free_port
 
@@ -173,12 +173,10 @@ def payload(i: int) -> memoryview:
 
 
 def host_store(records: int):
-    """A host-tier store over a pool of ``records`` slots in all (one of them the staging
-    share a pool must have), every slot faulted in; and its backend."""
-    backend = HostPoolBackend(records * 4096)
-    pool = HostPool(RECORD, staging_slots=1, cache_slots=records - 1)
-    pool.grow_all()
-    backend.attach(pool)
+    """A host-tier store over an arena of ``records`` slots in all (one of them the staging
+    share an arena must have), every slot faulted in; and its backend."""
+    backend = HostBackend((records - 1) * 4096)
+    backend.make_arena(RECORD, staging_slots=1).grow_all()
     return backend, backend.open_store(NS, {}, RECORD)
 
 

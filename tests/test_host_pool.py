@@ -1,7 +1,9 @@
-"""The host pool: staging slots and the RAM tier in one arena, with reference counts.
+"""The host arena and the RAM tier in it: staging slots and cached records in one arena, with
+reference counts.
 
-Units on the pool itself (byte literals, counts, an invariant check after random operations)
-and a real daemon showing the RAM tier serving from the slot a swap_out gathered into."""
+Units on the arena and the tier (byte literals, counts, an invariant check after random
+operations) and a real daemon showing the RAM tier serving from the slot a swap_out gathered
+into."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import numpy as np
 import pytest
 
 from kvswap.backends.base import GetStatus
-from kvswap.backends.host_pool import HostPool, HostPoolBackend, PoolWindow
+from kvswap.backends.host_arena import ArenaWindow, HostArena
+from kvswap.backends.ram_tier import HostBackend, RamTier
 from kvswap.protocol import Client, HostKVCache
 from kvswap.protocol.errors import NoSpace
 from support import DaemonProcess, free_port
@@ -26,8 +29,14 @@ def fill(slot, byte: int) -> None:
     slot.view[:] = byte
 
 
+def ram_over(record_bytes: int, staging_slots: int, cache_slots: int = 0) -> tuple[HostArena, RamTier]:
+    """An arena and the RAM tier made with it."""
+    arena = HostArena(record_bytes, staging_slots, cache_slots)
+    return arena, RamTier(arena)
+
+
 def test_slots_are_aligned_faulted_and_taken_all_or_nothing() -> None:
-    pool = HostPool(5000, staging_slots=3, cache_slots=0)
+    pool = HostArena(5000, staging_slots=3, cache_slots=0)
     assert pool.slot_bytes == 8192 and pool.faulted == 3
     slots = pool.take(2)
     assert [s.view.ctypes.data % 4096 for s in slots] == [0, 0]
@@ -42,54 +51,61 @@ def test_slots_are_aligned_faulted_and_taken_all_or_nothing() -> None:
 
 
 def test_a_kept_slot_is_the_ram_copy_until_a_take_needs_it() -> None:
-    pool = HostPool(4096, staging_slots=2, cache_slots=0)
+    pool, ram = ram_over(4096, staging_slots=2)
     a, b = pool.take(2)
     fill(a, 0xA1)
     fill(b, 0xB2)
-    pool.keep(a, NS, "ka")
-    pool.keep(b, NS, "kb")
+    ram.keep(a, NS, "ka")
+    ram.keep(b, NS, "kb")
     a.release()
     b.release()
-    assert pool.records[NS] == 2 and pool.available == 2
-    hit = pool.find(NS, "ka")  # ka is now the most recently used
+    assert ram.records[NS] == 2 and pool.available == 2
+    hit = ram.find(NS, "ka")  # ka is now the most recently used
     assert hit is a and bytes(hit.view[:2]) == b"\xa1\xa1"
     hit.release()
     (c,) = pool.take(1)  # evicts the least recently used: kb
-    assert c is b and not pool.contains(NS, "kb") and pool.contains(NS, "ka")
-    assert pool.evicted[NS] == 1 and pool.records[NS] == 1
+    assert c is b and not ram.contains(NS, "kb") and ram.contains(NS, "ka")
+    assert ram.evicted[NS] == 1 and ram.records[NS] == 1
     c.release()
-    assert pool.problems() == []
+    assert ram.problems() == []
 
 
 def test_a_held_record_is_never_evicted() -> None:
-    pool = HostPool(4096, staging_slots=1, cache_slots=0)
+    pool, ram = ram_over(4096, staging_slots=1)
     (a,) = pool.take(1)
-    pool.keep(a, NS, "k")
+    ram.keep(a, NS, "k")
     a.release()
-    reader = pool.find(NS, "k")
+    reader = ram.find(NS, "k")
     assert reader is a
     assert pool.take(1) is None  # the only slot is held by a reader
     reader.release()
-    assert pool.take(1) == [a] and not pool.contains(NS, "k")
+    assert pool.take(1) == [a] and not ram.contains(NS, "k")
 
 
 def test_windows_bound_their_share_until_the_last_holder_lets_go() -> None:
-    pool = HostPool(4096, staging_slots=4, cache_slots=0)
-    write = PoolWindow(pool, "write", 2)
+    pool, ram = ram_over(4096, staging_slots=4)
+    write = ArenaWindow(pool, "write", 2)
     slots = write.try_take(2)
     assert slots is not None and write.in_use == 2 and write.free == 0
     assert write.try_take(1) is None  # the pool has room, the window has not
-    pool.keep(slots[0], NS, "k")
+    ram.keep(slots[0], NS, "k")
     reader = slots[0].retain()  # a swap_in reading a record still being written
     slots[0].release()
     assert write.in_use == 2
     reader.release()
     assert write.in_use == 1  # back as a cached record, no longer the window's
-    assert pool.contains(NS, "k")
+    assert ram.contains(NS, "k")
+
+
+def test_an_arena_has_one_ram_tier_made_with_it() -> None:
+    arena, ram = ram_over(4096, staging_slots=1)
+    assert arena.keeper is ram and ram.arena is arena
+    with pytest.raises(ValueError):
+        RamTier(arena)
 
 
 def test_growth_faults_the_ram_share_only_when_asked() -> None:
-    pool = HostPool(4096, staging_slots=4, cache_slots=100)
+    pool = HostArena(4096, staging_slots=4, cache_slots=100)
     assert pool.faulted == 4 and pool.capacity == 104
     assert not pool.wants_growth()  # free slots are plenty
     held = pool.take(4)
@@ -102,13 +118,13 @@ def test_growth_faults_the_ram_share_only_when_asked() -> None:
 
 
 def test_put_of_a_pool_slot_keeps_it_in_place_and_a_copy_otherwise() -> None:
-    backend = HostPoolBackend(3 * 4096)
-    pool = HostPool(4096, staging_slots=2, cache_slots=backend.cache_slots(4096))
-    backend.attach(pool)
+    backend = HostBackend(3 * 4096)
+    pool = backend.make_arena(4096, staging_slots=2)
+    assert pool.capacity == 2 + backend.cache_slots(4096)
     store = backend.open_store(NS, {}, 4096)
     (gathered,) = pool.take(1)
     fill(gathered, 7)
-    store.put("a", memoryview(gathered.view))  # what the write thread passes
+    store.put_slot("a", gathered)  # what the write thread passes
     gathered.release()
     slot = store.hold("a")
     assert slot is gathered  # zero copy: the RAM copy is the gathered slot
@@ -122,16 +138,15 @@ def test_put_of_a_pool_slot_keeps_it_in_place_and_a_copy_otherwise() -> None:
     assert store.cached_prefix(["a", "b", "c"]) == 2 and store.cached_prefix(["c"], {"c"}) == 1
     assert store.delete("a") and not store.contains("a")
     assert store.clear() == 1 and store.usage()["records"] == 0
-    other = backend.open_store("11" * 16, {}, 8192)  # another record size: not this pool's
-    with pytest.raises(NoSpace):
-        other.put("x", memoryview(bytes(8192)))
-    assert pool.problems() == []
+    with pytest.raises(NoSpace):  # another record size: not this pool's
+        backend.open_store("11" * 16, {}, 8192).put("x", memoryview(bytes(8192)))
+    assert backend.problems() == []
 
 
 def test_random_operations_keep_the_pool_consistent() -> None:
     rng = random.Random(3)
-    pool = HostPool(4096, staging_slots=6, cache_slots=10)
-    window = PoolWindow(pool, "write", 4)
+    pool, ram = ram_over(4096, staging_slots=6, cache_slots=10)
+    window = ArenaWindow(pool, "write", 4)
     held: list = []
     for step in range(3000):
         op = rng.randrange(7)
@@ -141,18 +156,18 @@ def test_random_operations_keep_the_pool_consistent() -> None:
         elif op == 1 and held:
             held.pop(rng.randrange(len(held))).release()
         elif op == 2 and held:
-            pool.keep(rng.choice(held), NS, f"k{rng.randrange(12)}")
+            ram.keep(rng.choice(held), NS, f"k{rng.randrange(12)}")
         elif op == 3:
-            slot = pool.find(NS, f"k{rng.randrange(12)}")
+            slot = ram.find(NS, f"k{rng.randrange(12)}")
             if slot is not None:
                 held.append(slot)
         elif op == 4 and held:
             held.append(rng.choice(held).retain())
         elif op == 5:
-            pool.drop(NS, f"k{rng.randrange(12)}")
+            ram.drop(NS, f"k{rng.randrange(12)}")
         elif op == 6:
             pool.grow(rng.randint(0, 3))
-        assert pool.problems() == [], step
+        assert ram.problems() == [], step
         assert 0 <= window.in_use <= window.capacity
     for slot in held:
         slot.release()
@@ -168,14 +183,13 @@ STORE_NS = "aa" * 16
 OTHER_NS = "bb" * 16
 
 
-def ram_tier(records: int) -> tuple[HostPool, HostPoolBackend]:
-    """A RAM tier over a pool of ``records`` slots in all (one of them the staging share a
-    pool must have; cached records may use it), every slot faulted in."""
-    backend = HostPoolBackend(records * 4096)
-    pool = HostPool(4096, staging_slots=1, cache_slots=records - 1)
-    pool.grow_all()
-    backend.attach(pool)
-    return pool, backend
+def ram_tier(records: int) -> tuple[RamTier, HostBackend]:
+    """A RAM tier over an arena of ``records`` slots in all (one of them the staging share an
+    arena must have; cached records may use it), every slot faulted in; and its backend."""
+    backend = HostBackend((records - 1) * 4096)
+    backend.make_arena(4096, staging_slots=1).grow_all()
+    assert backend.ram is not None
+    return backend.ram, backend
 
 
 def record_bytes(seed: int) -> memoryview:
@@ -183,7 +197,7 @@ def record_bytes(seed: int) -> memoryview:
 
 
 def test_store_round_trips_and_a_miss_leaves_the_buffer_alone() -> None:
-    pool, backend = ram_tier(10)
+    ram, backend = ram_tier(10)
     store = backend.open_store(STORE_NS, {}, 4096)
     assert store.put("k0", record_bytes(0)) == 4096
     assert store.put_many([("k1", record_bytes(1)), ("k2", record_bytes(2))]) == [4096, 4096]
@@ -199,24 +213,24 @@ def test_store_round_trips_and_a_miss_leaves_the_buffer_alone() -> None:
     assert [bytes(o) for o in outs[:2]] == [bytes(record_bytes(2)), bytes(record_bytes(0))]
     with pytest.raises(ValueError):
         store.put("short", memoryview(bytes(4095)))
-    assert not store.contains("short") and pool.problems() == []
+    assert not store.contains("short") and ram.problems() == []
 
 
 def test_a_replaced_key_is_counted_once_and_reads_its_new_bytes() -> None:
-    pool, backend = ram_tier(10)
+    ram, backend = ram_tier(10)
     store = backend.open_store(STORE_NS, {}, 4096)
     store.put("k", record_bytes(0))
     store.put("k", record_bytes(1))
     out = memoryview(bytearray(4096))
     assert store.get_into("k", out) is GetStatus.LOADED and bytes(out) == bytes(record_bytes(1))
-    assert store.usage() == {"records": 1, "bytes": 4096} and pool.records[STORE_NS] == 1
-    assert pool.available == pool.capacity and pool.problems() == []
+    assert store.usage() == {"records": 1, "bytes": 4096} and ram.records[STORE_NS] == 1
+    assert ram.arena.available == ram.arena.capacity and ram.problems() == []
 
 
 def test_a_read_makes_a_record_recent_and_a_contains_does_not() -> None:
     """Records no chain links are all leaves: the least recent goes first. The daemon's lookup
     touches its hit prefix explicitly (touch_chain); a bare ``contains`` must not."""
-    pool, backend = ram_tier(3)
+    ram, backend = ram_tier(3)
     store = backend.open_store(STORE_NS, {}, 4096)
     for i, key in enumerate("abc"):
         store.put(key, record_bytes(i))
@@ -226,25 +240,25 @@ def test_a_read_makes_a_record_recent_and_a_contains_does_not() -> None:
     assert store.contains("c")  # a lookup's contains does not make c recent...
     store.put("e", record_bytes(4))
     assert [store.contains(k) for k in "acde"] == [True, False, True, True]  # ...so c went next
-    assert store.stats()["evictions"] == 2 and pool.records[STORE_NS] == 3
+    assert store.stats()["evictions"] == 2 and ram.records[STORE_NS] == 3
     out = memoryview(bytearray(4096))
     assert store.get_into("a", out) is GetStatus.LOADED and bytes(out) == bytes(record_bytes(0))
-    assert pool.problems() == []
+    assert ram.problems() == []
 
 
 def test_the_tier_never_holds_more_records_than_its_slots() -> None:
-    pool, backend = ram_tier(5)
+    ram, backend = ram_tier(5)
     store = backend.open_store(STORE_NS, {}, 4096)
     for i in range(20):
         store.put(f"k{i}", record_bytes(i))
-        assert pool.records[STORE_NS] <= pool.capacity
+        assert ram.records[STORE_NS] <= ram.arena.capacity
     assert store.usage()["records"] == 5 and store.stats()["evictions"] == 15
     assert store.contains_prefix([f"k{i}" for i in range(15, 20)]) == 5
-    assert pool.problems() == []
+    assert ram.problems() == []
 
 
 def test_namespaces_share_the_pool_but_not_their_records() -> None:
-    pool, backend = ram_tier(4)
+    ram, backend = ram_tier(4)
     a = backend.open_store(STORE_NS, {}, 4096)
     b = backend.open_store(OTHER_NS, {}, 4096)
     assert backend.open_store(STORE_NS, {}, 4096) is a
@@ -260,11 +274,11 @@ def test_namespaces_share_the_pool_but_not_their_records() -> None:
     b.put("x", record_bytes(5))
     assert (a.delete("x"), a.delete("x"), b.contains("x")) == (True, False, True)
     assert a.delete_many(["y", "zz"]) == 1
-    assert pool.problems() == []
+    assert ram.problems() == []
 
 
 def test_concurrent_writers_readers_and_deleters_keep_the_pool_consistent() -> None:
-    pool, backend = ram_tier(40)
+    ram, backend = ram_tier(40)
     stores = [backend.open_store(STORE_NS, {}, 4096), backend.open_store(OTHER_NS, {}, 4096)]
     errors: list[BaseException] = []
 
@@ -287,7 +301,7 @@ def test_concurrent_writers_readers_and_deleters_keep_the_pool_consistent() -> N
                     assert status is GetStatus.MISS or bytes(out) == bytes(record_bytes(n)), status
                 else:
                     store.delete(key)
-                assert sum(pool.records.values()) <= pool.capacity
+                assert sum(ram.records.values()) <= ram.arena.capacity
         except BaseException as exc:
             errors.append(exc)
 
@@ -297,9 +311,9 @@ def test_concurrent_writers_readers_and_deleters_keep_the_pool_consistent() -> N
     for t in threads:
         t.join(60)
     assert errors == []
-    assert pool.problems() == [] and pool.available == pool.capacity  # nothing left held
+    assert ram.problems() == [] and ram.arena.available == ram.arena.capacity  # nothing left held
     assert sum(s.stats()["evictions"] for s in stores) > 0
-    assert sum(s.usage()["records"] for s in stores) == sum(pool.records.values()) <= pool.capacity
+    assert sum(s.usage()["records"] for s in stores) == sum(ram.records.values()) <= ram.arena.capacity
     for store in stores:
         for n in range(80):
             out = memoryview(bytearray(4096))
@@ -341,7 +355,7 @@ def test_a_ram_hit_is_scattered_from_its_slot_not_copied_through_the_store(tmp_p
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The one-copy path: swap_in takes RAM hits straight from their slots. The store's
     copying read (get_into) is made to fail, so a hit that went through it would error."""
-    from kvswap.backends.host_pool import HostPoolStore
+    from kvswap.backends.ram_tier import RamStore
     from support import InProcessDaemon
 
     with InProcessDaemon(tmp_path / "s", host_tier_bytes=1 << 20) as d, Client(d.endpoint, timeout=10) as c:
@@ -352,12 +366,54 @@ def test_a_ram_hit_is_scattered_from_its_slot_not_copied_through_the_store(tmp_p
         def no_copy(self, key, out):
             raise AssertionError("a RAM hit was copied through the store")
 
-        monkeypatch.setattr(HostPoolStore, "get_into", no_copy)
+        monkeypatch.setattr(RamStore, "get_into", no_copy)
         cache.zero_blocks([5, 6, 7])
         assert c.swap_in(["h0", "h1", "h2"], [5, 6, 7]).loaded == 3
         assert [cache.block_record(i) for i in (5, 6, 7)] == expected
-        pool = d.daemon.swapper.staging.pool
-        assert pool.problems() == [] and pool.records[c.stats()["registration"]["namespace"]] == 3
+        ram = d.daemon.backends["host"]
+        assert ram.problems() == [] and ram.ram.records[c.stats()["registration"]["namespace"]] == 3
+
+
+def _sample(d, name: str, **labels: str) -> float:
+    return d.daemon.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_a_swap_in_asks_each_tier_once_per_key_and_counts_it_once(tmp_path: Path, cache: HostKVCache) -> None:
+    """Issue 23: a swap_in looks each key up once across the retrieve locations. Two records the
+    RAM tier lacks and the file tier has are 2 RAM misses (the swapper looked in RAM, then the
+    tiers' read asked it again: 4); promoted, the next swap_in's 2 RAM hits are counted once
+    each, in the tier's stats and in the metrics."""
+    from support import InProcessDaemon
+
+    with InProcessDaemon(tmp_path / "s", host_tier_bytes=1 << 20) as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        expected = [cache.block_record(i) for i in (0, 1)]
+        assert c.swap_out([0, 1], ["f0", "f1"], wait="persisted").stored == 2
+        tiers = d.daemon.swapper.registration.tiers
+        assert tiers.stores["host"].clear() == 2  # in the file tier only now
+        record_bytes = cache.layout.record_bytes
+
+        def host_ops() -> tuple[float, float, float]:
+            return tuple(_sample(d, "kvswap_tier_ops_total", tier="host", op="get", result=r)  # type: ignore[return-value]
+                         for r in ("hit", "miss")) + (_sample(d, "kvswap_tier_bytes_total", tier="host",
+                                                             direction="read"),)
+
+        cache.zero_blocks([5, 6])
+        assert c.swap_in(["f0", "f1"], [5, 6]).loaded == 2
+        assert [cache.block_record(5), cache.block_record(6)] == expected
+        stats = c.stats()["tiers"]["host"]
+        assert (stats["hits"], stats["misses"]) == (0, 2)
+        assert host_ops() == (0, 2, 0)
+        assert _sample(d, "kvswap_tier_ops_total", tier="file", op="get", result="hit") == 2
+        assert _sample(d, "kvswap_tier_ops_total", tier="host", op="promote", result="ok") == 2
+
+        cache.zero_blocks([5, 6])
+        assert c.swap_in(["f0", "f1"], [5, 6]).loaded == 2
+        assert [cache.block_record(5), cache.block_record(6)] == expected
+        stats = c.stats()["tiers"]["host"]
+        assert (stats["hits"], stats["misses"]) == (2, 2)
+        assert host_ops() == (2, 2, 2 * record_bytes)
+        assert _sample(d, "kvswap_tier_ops_total", tier="file", op="get", result="hit") == 2
 
 
 def test_lookup_prefix_joins_the_tiers_runs(tmp_path: Path) -> None:
@@ -367,10 +423,9 @@ def test_lookup_prefix_joins_the_tiers_runs(tmp_path: Path) -> None:
     from kvswap.daemon.metrics import Metrics
     from kvswap.daemon.tiers import Locations, NamespaceTiers
 
-    ram = HostPoolBackend(8 * 4096)
-    pool = HostPool(4096, staging_slots=2, cache_slots=ram.cache_slots(4096))
+    ram = HostBackend(8 * 4096)
+    pool = ram.make_arena(4096, staging_slots=2)
     pool.grow(8)  # the daemon's staging grows the pool as it fills; here, by hand
-    ram.attach(pool)
     host = ram.open_store(NS, {}, 4096)
     file = FileBackend(str(tmp_path / "files")).open_store(NS, {"t": 1}, 4096)
     payload = memoryview(bytes(4096))
@@ -464,10 +519,10 @@ def test_a_replaced_pool_is_unmapped_once_its_last_held_slot_is_released(no_gc) 
     from kvswap.daemon.metrics import Metrics
     from kvswap.daemon.staging import Staging
 
-    ram = HostPoolBackend(8 * 4096)
-    staging = Staging(4 * 4096, 4 * 4096, [], Metrics(), ram=ram)
+    ram = HostBackend(8 * 4096)
+    staging = Staging(4 * 4096, 4 * 4096, [ram], Metrics())
     staging.prepare(4096)
-    old = staging.pool
+    old = staging.arena
     assert old is not None
     start, nbytes = old.base, old.capacity * old.slot_bytes
     store = ram.open_store(NS, {}, 4096)
@@ -477,8 +532,8 @@ def test_a_replaced_pool_is_unmapped_once_its_last_held_slot_is_released(no_gc) 
     assert hit is not None and write is not None
     fill(write[0], 0x5A)
     staging.prepare(8192)
-    assert staging.pool is not old and old.retired and not old.unmapped and _mapped(start, nbytes)
-    assert old.take(1) is None and old.find(NS, "k") is None
+    assert staging.arena is not old and old.retired and not old.unmapped and _mapped(start, nbytes)
+    assert old.take(1) is None and store.hold("k") is None
     assert bytes(hit.view) == b"\x07" * 4096 and bytes(write[0].view) == b"\x5a" * 4096
     fill(write[0], 0x33)
     assert bytes(write[0].view) == b"\x33" * 4096
@@ -494,7 +549,7 @@ def test_a_replaced_pool_is_unmapped_once_its_last_held_slot_is_released(no_gc) 
     assert bytes(again[0].view) == b"\x01" * 8192
     again[0].release()
     # A pool nobody holds a slot of is unmapped by retire itself.
-    idle = staging.pool
+    idle = staging.arena
     base = idle.base
     staging.prepare(4096)
     assert idle.unmapped and not _mapped(base, idle.capacity * idle.slot_bytes)
@@ -523,11 +578,11 @@ def test_writes_in_flight_keep_their_slots_across_a_register_with_another_record
         with GatedWrites(d.daemon.backend.disk) as gate:
             assert c.swap_out([1, 2], ["g1", "g2"], wait="copied").status == ["queued", "queued"]
             assert gate.started.acquire(timeout=10)
-            old = staging.pool
+            old = staging.arena
             # The register replaces the pool, then waits for the old registration's requests.
             with ThreadPoolExecutor(1) as runner:
                 registered = runner.submit(_register, d.endpoint, small)
-                assert wait_until(lambda: staging.pool is not old)
+                assert wait_until(lambda: staging.arena is not old)
                 assert old.retired and not old.unmapped
                 gate.gate.set()
                 assert registered.result(timeout=30)["record_bytes"] == other.record_bytes

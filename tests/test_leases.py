@@ -70,9 +70,9 @@ async def _install(swapper: Swapper, mover: GatedMover) -> Registration:
     """Register ``mover`` the way Registrar.register does, minus attaching memory."""
     registration = Registration(LAYOUT, [], [], mover, os.getpid())
     registrar = swapper.registrar
+    await registrar._run(swapper.staging.prepare, registration.record_bytes)
     registration.tiers = await registrar._run(registrar._open_namespace, registration)
     registrar.namespaces[registration.namespace] = registration.tiers
-    await registrar._run(swapper.staging.prepare, registration.record_bytes)
     registrar.current = registration
     return registration
 
