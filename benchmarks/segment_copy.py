@@ -6,7 +6,7 @@ For each preset layout: gather (engine blocks -> staging records, 4 blocks a cal
 daemon's swap_out does) and scatter (one record a call, as swap_in does) in GB/s through
 
 - ``mapped memmove``: the old path, one ``ctypes.memmove`` per region chunk through a mapping
-  (``HostMover``, now the tests' reference mover in ``tests/reference_mover.py``; not crash-safe
+  (``HostMover``, now the tests' reference mover in ``kvswap/testing/reference_mover.py``; not crash-safe
   against a truncated segment);
 - ``preadv``: the fallback, one ``preadv``/``pwritev`` per region chunk on the descriptor;
 - ``native``: one fault-guarded ``copy_rows`` call per batch (``_fastcopy.c``);
@@ -27,20 +27,16 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from reference_mover import HostMover  # noqa: E402
-
-from kvswap.daemon.movers.native import ENV_VAR, load_copy_rows  # noqa: E402
-from kvswap.daemon.registration import Registration  # noqa: E402
-from kvswap.daemon.tools.presets import preset_layout  # noqa: E402
-from kvswap.protocol import HostKVCache  # noqa: E402
-from kvswap.protocol.errors import KvswapError  # noqa: E402
+from kvswap.daemon.movers.native import ENV_VAR, load_copy_rows
+from kvswap.daemon.registration import Registration
+from kvswap.daemon.tools.presets import preset_layout
+from kvswap.protocol import HostKVCache
+from kvswap.protocol.errors import KvswapError
+from kvswap.testing.reference_mover import HostMover
 
 GATHER_BATCH = 4  # the swapper's GATHER_CHUNK
 

@@ -1,5 +1,5 @@
 """Layout conversion (kvswap.daemon.movers.copy_plan) executed by the reference host mover
-(tests/reference_mover.py): the docstring's worked example byte for byte, then random layouts
+(kvswap/testing/reference_mover.py): the docstring's worked example byte for byte, then random layouts
 and placements against a reference written independently here. Pure units, no daemon."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from kvswap.daemon.movers.copy_plan import Copy, Placement, copy_plan, plan_arra
 from kvswap.protocol.layout import CacheLayout
 
 from layout_scenarios import Scenario, scenarios
-from reference_mover import HostMover
+from kvswap.testing.reference_mover import HostMover
 
 # -- the worked example -----------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from kvswap.daemon.movers.kernels import ChunkKernels, CupyChunkRunner
 from kvswap.daemon.movers.copiers import CudaCopier
 from kvswap.daemon.movers.device import DeviceMover
 from kvswap.daemon.staging import StagingPool
-from reference_mover import HostMover
+from kvswap.testing.reference_mover import HostMover
 from test_gpu_plans import KINDS, kind_layout
 
 

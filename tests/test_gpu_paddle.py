@@ -20,7 +20,7 @@ from kvswap.daemon.movers.device import DeviceMover
 from kvswap.daemon.movers.kernels import DLPackView, PaddleKernels, host_upload
 from kvswap.daemon.movers.copiers import HostCopier# noqa: E402
 from kvswap.daemon.staging import StagingPool  # noqa: E402
-from reference_mover import HostMover  # noqa: E402
+from kvswap.testing.reference_mover import HostMover  # noqa: E402
 from test_copy_plan import Scenario, _fill_engine, _reference_records, _region_contents, scenarios  # noqa: E402
 from test_gpu_plans import GATHER, KINDS, SCATTER, Engine  # noqa: E402
 

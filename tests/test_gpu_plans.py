@@ -32,7 +32,7 @@ from kvswap.daemon.movers.gpu_plan import (
 )
 from kvswap.daemon.registration import Registration
 from kvswap.protocol import CacheLayout, HostKVCache, InvalidLayout
-from reference_mover import HostMover
+from kvswap.testing.reference_mover import HostMover
 from test_copy_plan import EXAMPLE, Scenario, _fill_engine, _reference_records, _region_contents, scenarios
 
 # -- layout kinds -----------------------------------------------------------------------------

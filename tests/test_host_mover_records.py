@@ -1,5 +1,5 @@
 """The reference host mover's record-level calls (``HostMover.gather_blocks`` /
-``scatter_blocks``, tests/reference_mover.py: the Mover interface every daemon mover
+``scatter_blocks``, kvswap/testing/reference_mover.py: the Mover interface every daemon mover
 implements), over random strided, interleaved and
 several-handle layouts, against a reference written here; and the mover's own bounds, with no
 ``Registration`` in front of it.
@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from kvswap.daemon.movers.copy_plan import Placement
 
 from layout_scenarios import Scenario, scenarios
-from reference_mover import HostMover
+from kvswap.testing.reference_mover import HostMover
 
 GUARD = 64  # bytes around every handle that no block owns; they must never change
 

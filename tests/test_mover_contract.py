@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from copy_paths import copy_path  # noqa: F401 (a fixture)
-from reference_mover import HostMover
+from kvswap.testing.reference_mover import HostMover
 from test_gpu_movers import twin_mover
 from test_gpu_plans import GATHER, KINDS, Engine
 

@@ -3,7 +3,7 @@
 This is the one place that decides layout conversion. The shared-memory mover
 (:mod:`.segment`) copies each region chunk at the offsets a plan names; GPU movers execute the
 same plan with device copies, so the CPU tests of the plan (run by the tests' reference mover,
-``tests/reference_mover.py``) cover them too.
+``kvswap/testing/reference_mover.py``) cover them too.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ mapped allocations, which bytes each kernel copies (:func:`chunk_table` for the 
 :class:`RowPlan` for paddle's gather/index_put), how host slots group into 2D copies, and how a
 request splits into batches that fit the device staging. The numpy executors at the end run
 the tables and plans exactly as the device does, on host memory: they are the CPU twins the
-tests compare with the reference host mover (``HostMover`` in ``tests/reference_mover.py``).
+tests compare with the reference host mover (``HostMover`` in ``kvswap/testing/reference_mover.py``).
 
 All of it derives from the one :func:`~kvswap.daemon.movers.copy_plan.copy_plan` model: a region
 is ``block_bytes`` at ``offset + block * stride`` of a handle; a record is every region's
