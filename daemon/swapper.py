@@ -272,6 +272,7 @@ class Swapper:
         # and copies overlap); GPU movers want the wave in one call (one upload, one kernel).
         per_record = not registration.mover.batches_scatter
         live = _guard(registration, deadline)
+        read = [False] * len(keys)  # read from a tier below RAM (then its file is touched)
 
         async def load(indices: list[int]) -> None:
             slots: list[HeldRecord] = []
@@ -327,8 +328,10 @@ class Swapper:
                             for (i, _), outcome in zip(group, outcomes)}
                 for i, slot in pairs:
                     status[i] = by_index[i]
-                    if status[i] == "loaded" and not per_record:
-                        sources[i] = slot
+                    if status[i] == "loaded":
+                        read[i] = True
+                        if not per_record:
+                            sources[i] = slot
                 order = sorted(sources)
                 ok = await self._run(self._copy_pool, _scatter_many, registration, [block_ids[i] for i in order],
                                      [sources[i].view for i in order], live)
@@ -351,7 +354,10 @@ class Swapper:
                 break
             loaded += 1
         if loaded:
-            self._read_pool.submit(tiers.touch_chain, keys[:loaded], True).add_done_callback(log_failure)  # type: ignore[union-attr]
+            persist = loaded  # on disk through the last record read from a tier below RAM (touch_hit)
+            while persist and not read[persist - 1]:
+                persist -= 1
+            self._read_pool.submit(tiers.touch_hit, keys[:loaded], persist).add_done_callback(log_failure)  # type: ignore[union-attr]
         for s in status:
             self.metrics.blocks.labels(op="swap_in", status=s).inc()
         self.metrics.bytes.labels(direction="in").inc(status.count("loaded") * registration.record_bytes)

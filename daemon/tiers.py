@@ -150,6 +150,24 @@ class NamespaceTiers:
         for store in self.stores.values():
             store.touch_chain(keys, persist)
 
+    def touch_hit(self, keys: Sequence[str], persist: int) -> None:
+        """A swap_in's hit prefix, touched as a whole; the first ``persist`` records also on
+        disk (their files' mtimes), so that order survives a restart.
+
+        The swapper passes the records up to the last one it read from a tier below RAM: a
+        record served from RAM needs no ``utime`` of its own (its file keeps an older mtime than
+        the records before it, so on disk a chain's tail stays older than its head either way).
+        A swap_in served from memory alone touches only the tiers that held it: the lookup
+        before it touched every tier's order (see docs/operations.md, "Prefix chains and
+        eviction")."""
+        if not persist:
+            for store in self.hold_from:
+                store.touch_chain(keys)
+            return
+        if persist < len(keys):
+            self.touch_chain(keys)  # in memory, in every tier: no I/O
+        self.touch_chain(keys[:persist], persist=True)  # then newest, and on disk
+
     def _contains(self, store: Store, key: str) -> bool:
         try:
             return store.contains(key)

@@ -416,6 +416,59 @@ def test_a_swap_in_asks_each_tier_once_per_key_and_counts_it_once(tmp_path: Path
         assert _sample(d, "kvswap_tier_ops_total", tier="file", op="get", result="hit") == 2
 
 
+def test_a_swap_in_re_stamps_files_only_through_the_last_record_read_from_disk(tmp_path: Path,
+                                                                               cache: HostKVCache) -> None:
+    """Issue 23: the chain touch after a swap_in re-stamps the files of its hit prefix only up to
+    the last record read from the file tier; a record served from RAM after that costs no
+    ``utime`` (Disk.touch), a swap_in served from RAM none at all. On disk each chain's tail
+    stays older than its head."""
+    import os
+
+    from support import InProcessDaemon
+
+    with InProcessDaemon(tmp_path / "s", host_tier_bytes=1 << 20) as d, Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        keys = ["t0", "t1", "t2", "t3"]
+        expected = [cache.block_record(i) for i in range(4)]
+        assert c.swap_out([0, 1, 2, 3], keys, wait="persisted").stored == 4
+        tiers = d.daemon.swapper.registration.tiers
+        host, file = tiers.stores["host"], tiers.stores["file"]
+        paths = [file.path_of(k)[1] for k in keys]
+        disk = d.daemon.backend.disk
+        touched: list[str] = []
+        real_touch, real_hit = disk.touch, tiers.touch_hit
+        done = threading.Semaphore(0)
+
+        def touch(path, mtime_ns=None):
+            touched.append(path)
+            return real_touch(path, mtime_ns)
+
+        def touch_hit(*args):
+            try:
+                real_hit(*args)
+            finally:
+                done.release()
+
+        disk.touch, tiers.touch_hit = touch, touch_hit
+
+        def swap_in(missing_in_ram: list[str]) -> list[str]:
+            """The files one swap_in of the chain re-stamps, ``missing_in_ram`` read from disk."""
+            host.delete_many(missing_in_ram)
+            touched.clear()
+            cache.zero_blocks([8, 9, 10, 11])
+            assert c.swap_in(keys, [8, 9, 10, 11]).loaded == 4
+            assert done.acquire(timeout=10)  # the touch runs after the answer
+            assert [cache.block_record(b) for b in (8, 9, 10, 11)] == expected
+            return touched[:]
+
+        assert swap_in([]) == []  # all four from RAM
+        assert swap_in(["t2", "t3"]) == paths  # the tail from disk: the head before it too
+        assert swap_in(["t0", "t1"]) == paths[:2]  # the head from disk: the RAM-served tail keeps its mtimes
+        mtimes = [os.stat(p).st_mtime_ns for p in paths]
+        assert mtimes == sorted(mtimes, reverse=True), mtimes  # head newest, tail oldest
+        assert swap_in(keys) == paths
+
+
 def test_lookup_prefix_joins_the_tiers_runs(tmp_path: Path) -> None:
     """NamespaceTiers.cached_prefix asks each tier for a run of keys at once; a key counts
     when any tier (or an in-flight write) has it, and the prefix stops at the first gap."""
