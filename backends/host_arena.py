@@ -348,7 +348,8 @@ class HostArena:
             for slot in self._slots[: self._faulted]:
                 where = (slot.index in free) + (slot.index in idle) + (slot.refs > 0)
                 if where != 1:
-                    out.append(f"slot {slot.index}: free={slot.index in free} lru={slot.index in idle} refs={slot.refs}")
+                    out.append(f"slot {slot.index}: free={slot.index in free} idle={slot.index in idle} "
+                               f"refs={slot.refs}")
                 if slot.index in idle and slot.kept is None:
                     out.append(f"slot {slot.index} is cached without a record")
             if self._held != sum(1 for slot in self._slots if slot.refs > 0):
