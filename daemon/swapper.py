@@ -33,6 +33,7 @@ from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 from kvswap.backends.base import Backend, GetStatus, HeldRecord, Store
 from kvswap.protocol.errors import KvswapError, NotRegistered, Timeout
+from kvswap.protocol.results import SwapInResult, SwapOutResult
 
 from .config import Config
 from .data_threads import data_pool
@@ -136,7 +137,7 @@ class Swapper:
     # -- swap_out -------------------------------------------------------------------------------
 
     async def swap_out(self, block_ids: Sequence[int], keys: Sequence[str], wait: str, deadline: Deadline,
-                       partial: bool = False, caller: Caller = ANONYMOUS) -> dict[str, Any]:
+                       partial: bool = False, caller: Caller = ANONYMOUS) -> SwapOutResult:
         lease = self.registrar.lease(caller)
         # Shielded with its lease: a caller that gives up must not let the registration be
         # unmapped while a copy thread still reads from it.
@@ -144,7 +145,7 @@ class Swapper:
                                                                          partial)))
 
     async def _swap_out(self, lease: Lease, block_ids: Sequence[int], keys: Sequence[str], wait: str,
-                        deadline: Deadline, partial: bool) -> dict[str, Any]:
+                        deadline: Deadline, partial: bool) -> SwapOutResult:
         registration, tiers = lease.registration, lease.tiers
         registration.check_blocks(block_ids)
         namespace = registration.namespace
@@ -207,8 +208,7 @@ class Swapper:
                 status[i] = outcome
         for s in status:
             self.metrics.blocks.labels(op="swap_out", status=s).inc()
-        counts = {name: status.count(name) for name in ("queued", "stored", "exists", "skipped")}
-        return {"status": status, **counts, "failed": len(status) - sum(counts.values())}
+        return SwapOutResult.of(status)
 
     def _failed(self, registration: Registration, failure: BaseException) -> None:
         """A request found the engine's memory unusable: release the registration."""
@@ -256,12 +256,12 @@ class Swapper:
     # -- swap_in ----------------------------------------------------------------------------------
 
     async def swap_in(self, keys: Sequence[str], block_ids: Sequence[int], deadline: Deadline,
-                      caller: Caller = ANONYMOUS) -> dict[str, Any]:
+                      caller: Caller = ANONYMOUS) -> SwapInResult:
         lease = self.registrar.lease(caller)
         return await asyncio.shield(self._holding(lease, self._swap_in(lease, keys, block_ids, deadline)))
 
     async def _swap_in(self, lease: Lease, keys: Sequence[str], block_ids: Sequence[int],
-                       deadline: Deadline) -> dict[str, Any]:
+                       deadline: Deadline) -> SwapInResult:
         registration, tiers = lease.registration, lease.tiers
         registration.check_blocks(block_ids)
         status: list[str] = [GetStatus.MISS.value] * len(keys)
@@ -348,11 +348,8 @@ class Swapper:
             raise
         if registration.closing:
             raise NotRegistered("the registration was released while this swap_in copied its blocks")
-        loaded = 0
-        for s in status:
-            if s != "loaded":
-                break
-            loaded += 1
+        result = SwapInResult.of(status)
+        loaded = result.loaded
         if loaded:
             persist = loaded  # on disk through the last record read from a tier below RAM (touch_hit)
             while persist and not read[persist - 1]:
@@ -361,7 +358,7 @@ class Swapper:
         for s in status:
             self.metrics.blocks.labels(op="swap_in", status=s).inc()
         self.metrics.bytes.labels(direction="in").inc(status.count("loaded") * registration.record_bytes)
-        return {"loaded": loaded, "status": status}
+        return result
 
     # -- lookup, delete, clear, flush ---------------------------------------------------------------
 
