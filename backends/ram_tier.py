@@ -11,8 +11,8 @@ The arena (:mod:`.host_arena`) is the memory; this module is what is stored in i
   a swap_out's gathered slot is kept as it is by :meth:`RamStore.put_slot`. Neither copies, and
   no checksum is needed: the bytes were either gathered from the engine or verified when they
   were read from a lower tier, once per slot lifetime.
-- :class:`HostBackend` is the tier's root, a RAM budget. It makes the arena for each registered
-  record size (:meth:`HostBackend.make_arena`, staging's share included) with a tier over it;
+- :class:`RamBackend` is the tier's root, a RAM budget. It makes the arena for each registered
+  record size (:meth:`RamBackend.make_arena`, staging's share included) with a tier over it;
   stores opened from then on keep their records there. A new record size brings a new arena,
   and the old one's records go with it.
 
@@ -334,7 +334,7 @@ class RamStore(Store):
         return out
 
 
-class HostBackend(Backend):
+class RamBackend(Backend):
     """The ``host`` tier's root: a RAM budget, ``capacity_bytes`` (cached records may also use
     staging slots nobody needs). It makes the arena for each registered record size, with a
     :class:`RamTier` over it; a namespace's store keeps its records in the arena current when

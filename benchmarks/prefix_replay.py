@@ -21,8 +21,8 @@ a persisted touch), ``swap_out`` of the whole chain (named as one chain, then ea
 written; a refused record is ``no_space``). Both orders run the same code: the old one is the
 store option ``eviction="lru"`` (every put or read most recent, a lookup touching its keys head
 first, no chain links), which is what the tiers did before the change (the old host tier did
-not touch on lookup at all). The host tier is the daemon's: a ``HostPoolBackend`` over a
-``HostPool`` of cap-many slots (one of them the staging share every pool has), every slot
+not touch on lookup at all). The host tier is the daemon's: a ``RamBackend`` and the arena
+it makes, of cap-many slots (one of them the staging share every pool has), every slot
 faulted in, its eviction order the pool's ``eviction`` option.
 
 Printed per tier and order: the hit rate over the prefix blocks requested, its ratio to LRU, the
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from kvswap.backends import record
 from kvswap.backends.base import Store
 from kvswap.backends.file_store import Capacity, FileBackend
-from kvswap.backends.host_pool import HostPool, HostPoolBackend
+from kvswap.backends.ram_tier import RamBackend
 from kvswap.protocol.errors import NoSpace
 
 NAMESPACE = "5e" * 16
@@ -112,10 +112,8 @@ def conversations(args: argparse.Namespace) -> tuple[list[tuple[list[str], int]]
 def open_store(tier: str, order: str, cap_records: int, root: str) -> Store:
     if tier == "host":
         # The daemon's RAM tier, as tests/test_chain_eviction.py's host_store() builds it.
-        backend = HostPoolBackend(cap_records * PAYLOAD)
-        pool = HostPool(PAYLOAD, staging_slots=1, cache_slots=cap_records - 1, eviction=order)
-        pool.grow_all()
-        backend.attach(pool)
+        backend = RamBackend((cap_records - 1) * PAYLOAD, eviction=order)  # cap - 1 cached + 1 staging
+        backend.make_arena(PAYLOAD, staging_slots=1).grow_all()
         return backend.open_store(NAMESPACE, {}, PAYLOAD)
     stored = record.header_len_for(PAYLOAD) + PAYLOAD
     store = FileBackend(root, capacity=Capacity(max_bytes=cap_records * stored), eviction=order).open_store(

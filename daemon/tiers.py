@@ -295,11 +295,11 @@ def open_backends(config: Any) -> dict[str, Backend]:
 
     backends: dict[str, Backend] = {}
     if config.host_tier_bytes:
-        from kvswap.backends.ram_tier import HostBackend
+        from kvswap.backends.ram_tier import RamBackend
 
         # The RAM tier makes the daemon's host arena and keeps records in it, beside staging
         # (one copy on a hit).
-        backends["host"] = HostBackend(config.host_tier_bytes)
+        backends["host"] = RamBackend(config.host_tier_bytes)
     backends["file"] = FileBackend(
         config.storage_dir, fsync=config.fsync, direct_io=config.direct_io,
         capacity=Capacity(config.storage_max_bytes, config.storage_min_free_bytes),

@@ -15,7 +15,7 @@ import pytest
 from kvswap.backends import chains
 from kvswap.backends.chains import ChainOrder
 from kvswap.backends.file_store import Capacity, FileBackend
-from kvswap.backends.ram_tier import HostBackend
+from kvswap.backends.ram_tier import RamBackend
 from kvswap.protocol import CacheLayout, Client, HostKVCache, NoSpace
 from support import DaemonProcess, free_port
 
@@ -175,7 +175,7 @@ def payload(i: int) -> memoryview:
 def host_store(records: int):
     """A host-tier store over an arena of ``records`` slots in all (one of them the staging
     share an arena must have), every slot faulted in; and its backend."""
-    backend = HostBackend((records - 1) * 4096)
+    backend = RamBackend((records - 1) * 4096)
     backend.make_arena(RECORD, staging_slots=1).grow_all()
     return backend, backend.open_store(NS, {}, RECORD)
 

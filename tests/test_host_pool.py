@@ -17,7 +17,7 @@ import pytest
 
 from kvswap.backends.base import GetStatus
 from kvswap.backends.host_arena import ArenaWindow, HostArena
-from kvswap.backends.ram_tier import HostBackend, RamTier
+from kvswap.backends.ram_tier import RamBackend, RamTier
 from kvswap.protocol import Client, HostKVCache
 from kvswap.protocol.errors import NoSpace
 from support import DaemonProcess, free_port
@@ -118,7 +118,7 @@ def test_growth_faults_the_ram_share_only_when_asked() -> None:
 
 
 def test_put_of_a_pool_slot_keeps_it_in_place_and_a_copy_otherwise() -> None:
-    backend = HostBackend(3 * 4096)
+    backend = RamBackend(3 * 4096)
     pool = backend.make_arena(4096, staging_slots=2)
     assert pool.capacity == 2 + backend.cache_slots(4096)
     store = backend.open_store(NS, {}, 4096)
@@ -183,10 +183,10 @@ STORE_NS = "aa" * 16
 OTHER_NS = "bb" * 16
 
 
-def ram_tier(records: int) -> tuple[RamTier, HostBackend]:
+def ram_tier(records: int) -> tuple[RamTier, RamBackend]:
     """A RAM tier over an arena of ``records`` slots in all (one of them the staging share an
     arena must have; cached records may use it), every slot faulted in; and its backend."""
-    backend = HostBackend((records - 1) * 4096)
+    backend = RamBackend((records - 1) * 4096)
     backend.make_arena(4096, staging_slots=1).grow_all()
     assert backend.ram is not None
     return backend.ram, backend
@@ -476,7 +476,7 @@ def test_lookup_prefix_joins_the_tiers_runs(tmp_path: Path) -> None:
     from kvswap.daemon.metrics import Metrics
     from kvswap.daemon.tiers import Locations, NamespaceTiers
 
-    ram = HostBackend(8 * 4096)
+    ram = RamBackend(8 * 4096)
     pool = ram.make_arena(4096, staging_slots=2)
     pool.grow(8)  # the daemon's staging grows the pool as it fills; here, by hand
     host = ram.open_store(NS, {}, 4096)
@@ -572,7 +572,7 @@ def test_a_replaced_pool_is_unmapped_once_its_last_held_slot_is_released(no_gc) 
     from kvswap.daemon.metrics import Metrics
     from kvswap.daemon.staging import Staging
 
-    ram = HostBackend(8 * 4096)
+    ram = RamBackend(8 * 4096)
     staging = Staging(4 * 4096, 4 * 4096, [ram], Metrics())
     staging.prepare(4096)
     old = staging.arena

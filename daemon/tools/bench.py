@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from kvswap.backends.host_pool import HostPool
+from kvswap.backends.host_arena import HostArena
 from kvswap.protocol import Busy, Client, HostKVCache, KvswapError
 
 from ..config import Config
@@ -317,7 +317,7 @@ def conversion_vs_memcpy(layout_name: str, blocks: int) -> tuple[float, float, f
     chunk through a mapping), which the daemon never ran; the row names stayed."""
     layout = preset_layout(layout_name, blocks)
     total = layout.record_bytes * blocks
-    pool = HostPool(layout.record_bytes, staging_slots=blocks)
+    pool = HostArena(layout.record_bytes, staging_slots=blocks)
     with HostKVCache.create(layout) as cache:
         cache.fill_random(2)
         body = cache.registration()
