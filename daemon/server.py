@@ -91,7 +91,7 @@ class Daemon:
         #: The file tier: the daemon always has one; its directory is the daemon's storage dir.
         file_tier = self.backends["file"]
         assert isinstance(file_tier, FileBackend)
-        self.backend: FileBackend = file_tier
+        self.file_backend: FileBackend = file_tier
         self.swapper = Swapper(config, self.backends, config.locations(), self.metrics)
         self.health = HealthServer(self.metrics, ready=self.ready)
         #: Tiers /readyz last found unable to serve (logged when it changes).
@@ -132,7 +132,7 @@ class Daemon:
     def describe(self) -> dict[str, Any]:
         """The daemon's own part of ``stats``."""
         return {"version": __version__, "uptime_s": round(time.time() - self.started, 3),
-                "requests_in_flight": len(self.dispatcher.requests), "storage_dir": self.backend.root,
+                "requests_in_flight": len(self.dispatcher.requests), "storage_dir": self.file_backend.root,
                 "fsync": self.config.fsync, "metrics_port": self.health.port,
                 "metrics_host": self.config.metrics_bind_host,
                 "open_fds": fds.open_count(), "fd_limit": fds.soft_limit()}
@@ -207,10 +207,10 @@ class Daemon:
         # After the binds, which log nothing: the storage check logs its O_DIRECT finding, and a
         # start-up that fails prints one line, its reason.
         try:
-            await asyncio.get_running_loop().run_in_executor(None, self.backend.check_writable)
+            await asyncio.get_running_loop().run_in_executor(None, self.file_backend.check_writable)
         except OSError as exc:
-            raise StartupError(f"storage directory {self.backend.root} cannot be used: {exc.strerror or exc}") from None
-        _warn_if_writable_by_others(self.backend.root)
+            raise StartupError(f"storage directory {self.file_backend.root} cannot be used: {exc.strerror or exc}") from None
+        _warn_if_writable_by_others(self.file_backend.root)
         if not _is_loopback(cfg.host) and self.curve is None:
             log.warning("the control socket listens on %s, beyond loopback, without authentication: anyone who "
                         "reaches it can read and overwrite cached KV blocks", cfg.host)
@@ -221,13 +221,13 @@ class Daemon:
         endpoint = f"tcp://{_zmq_host(cfg.host)}:{self.control_port}"
         metrics_url = f"http://{_zmq_host(cfg.metrics_bind_host)}:{self.health.port}/metrics"
         log.info("kvswapd %s serving %s, metrics %s, storage %s (fsync=%s)", __version__, endpoint, metrics_url,
-                 self.backend.root, cfg.fsync, extra={"version": __version__, "endpoint": endpoint,
-                                                      "metrics_url": metrics_url, "storage_dir": self.backend.root,
+                 self.file_backend.root, cfg.fsync, extra={"version": __version__, "endpoint": endpoint,
+                                                      "metrics_url": metrics_url, "storage_dir": self.file_backend.root,
                                                       "fsync": cfg.fsync})
         log.info("open-files limit %d (%d open, %d kept in reserve)", fd_limit, fds.open_count(), fds.RESERVE)
         locations = self.swapper.locations
         log.info("tiers: %s; store to %s; retrieve from %s%s", ", ".join(
-            b.url or (self.backend.root if b is self.backend else name) for name, b in self.backends.items()),
+            b.url or (self.file_backend.root if b is self.file_backend else name) for name, b in self.backends.items()),
             ",".join(locations.store), ",".join(locations.retrieve), "; promote to host" if locations.promote else "")
 
     def request_exit(self) -> None:

@@ -17,7 +17,7 @@ from support import GatedWrites, InProcessDaemon, wait_until
 def test_swap_in_of_a_key_still_being_written_returns_its_data(tmp_path: Path, cache: HostKVCache) -> None:
     with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
-        with GatedWrites(d.daemon.backend.disk) as gate:  # opened on the way out, even when a check fails
+        with GatedWrites(d.daemon.file_backend.disk) as gate:  # opened on the way out, even when a check fails
             expected = [cache.block_record(b) for b in (3, 4)]
             out = c.swap_out([3, 4], ["w0", "w1"], wait="copied")
             assert out.status == ["queued", "queued"]
@@ -44,7 +44,7 @@ def test_full_disk_is_a_typed_status_and_reads_keep_working(tmp_path: Path, cach
         assert wait_until(lambda: c.stats()["tiers"]["file"]["leader"])  # evicts once its scan is done
         c.swap_out(list(range(10, 20)), [f"old-{i}" for i in range(10)], wait="persisted")
         c.swap_out([0], ["before"], wait="persisted")
-        disk = d.daemon.backend.disk
+        disk = d.daemon.file_backend.disk
 
         def no_space(*args, **kwargs):
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -84,7 +84,7 @@ def test_read_errors_are_per_key_statuses(tmp_path: Path, cache: HostKVCache) ->
     with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         c.swap_out([0, 1], ["r0", "r1"], wait="persisted")
-        disk = d.daemon.backend.disk
+        disk = d.daemon.file_backend.disk
         original = disk.read_file
 
         failing = record_name("r1")
@@ -106,7 +106,7 @@ def test_read_errors_are_per_key_statuses(tmp_path: Path, cache: HostKVCache) ->
 def test_a_stuck_write_times_out_with_an_answer(tmp_path: Path, cache: HostKVCache) -> None:
     with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
-        with GatedWrites(d.daemon.backend.disk) as gate:  # opened on the way out, even when a check fails
+        with GatedWrites(d.daemon.file_backend.disk) as gate:  # opened on the way out, even when a check fails
             with pytest.raises(Timeout) as err:
                 c.swap_out([0], ["slow"], wait="persisted", timeout=0.3)
             assert err.value.details.get("timeout_ms") == 300  # the daemon's own answer, not a local one
@@ -121,7 +121,7 @@ def test_full_write_staging_answers_busy(tmp_path: Path, cache: HostKVCache) -> 
     with InProcessDaemon(tmp_path / "s", write_staging_bytes=4 * max(record, 4096)) as d, \
             Client(d.endpoint, timeout=10) as c:
         c.register(cache)
-        with GatedWrites(d.daemon.backend.disk) as gate:  # opened on the way out, even when a check fails
+        with GatedWrites(d.daemon.file_backend.disk) as gate:  # opened on the way out, even when a check fails
             assert c.swap_out([0, 1, 2, 3], ["b0", "b1", "b2", "b3"]).queued == 4
             with pytest.raises(Busy) as err:
                 c.swap_out([4], ["b4"])
@@ -138,7 +138,7 @@ def test_partial_swap_out_stores_what_fits_and_says_which(tmp_path: Path, cache:
     with InProcessDaemon(tmp_path / "s", write_staging_bytes=3 * max(record, 4096)) as d, \
             Client(d.endpoint, timeout=10) as c:
         c.register(cache)
-        with GatedWrites(d.daemon.backend.disk) as gate:  # opened on the way out, even when a check fails
+        with GatedWrites(d.daemon.file_backend.disk) as gate:  # opened on the way out, even when a check fails
             first = c.swap_out([0, 1], ["p0", "p1"])
             assert first.queued == 2
             out = c.swap_out([2, 3, 4], ["p2", "p3", "p4"], partial=True)

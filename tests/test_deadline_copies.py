@@ -334,12 +334,12 @@ def test_a_swap_in_of_writes_in_flight_writes_nothing_after_its_answer(
         file_hits = d.daemon.metrics.registry.get_sample_value
 
         def in_flight(keys: list[str]) -> Callable[[], None]:
-            gate = GatedWrites(d.daemon.backend.disk)
+            gate = GatedWrites(d.daemon.file_backend.disk)
             assert c.swap_out(SOURCE, keys).queued == BLOCKS  # copied; the writes wait at the gate
 
             def open_gate() -> None:
                 gate.gate.set()
-                d.daemon.backend.disk.write_file = gate.original
+                d.daemon.file_backend.disk.write_file = gate.original
                 c.flush()
             return open_gate
 

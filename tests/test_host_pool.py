@@ -434,7 +434,7 @@ def test_a_swap_in_re_stamps_files_only_through_the_last_record_read_from_disk(t
         tiers = d.daemon.swapper.registration.tiers
         host, file = tiers.stores["host"], tiers.stores["file"]
         paths = [file.path_of(k)[1] for k in keys]
-        disk = d.daemon.backend.disk
+        disk = d.daemon.file_backend.disk
         touched: list[str] = []
         real_touch, real_hit = disk.touch, tiers.touch_hit
         done = threading.Semaphore(0)
@@ -628,7 +628,7 @@ def test_writes_in_flight_keep_their_slots_across_a_register_with_another_record
         c.register(cache)
         staging = d.daemon.swapper.staging
         expected = [cache.block_record(b) for b in (1, 2)]
-        with GatedWrites(d.daemon.backend.disk) as gate:
+        with GatedWrites(d.daemon.file_backend.disk) as gate:
             assert c.swap_out([1, 2], ["g1", "g2"], wait="copied").status == ["queued", "queued"]
             assert gate.started.acquire(timeout=10)
             old = staging.arena

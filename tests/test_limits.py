@@ -61,7 +61,7 @@ def test_one_client_cannot_hold_more_than_its_share(tmp_path: Path, cache: HostK
     with InProcessDaemon(tmp_path / "s", max_inflight_per_client=4) as d, \
             Client(d.endpoint, timeout=10) as greedy, Client(d.endpoint, timeout=10) as other:
         greedy.register(cache)
-        held = HeldDisk(d.daemon.backend.disk, "write_file")
+        held = HeldDisk(d.daemon.file_backend.disk, "write_file")
         sent = [persisted_swap_out(greedy, i, f"g{i}") for i in range(4)]
         held.wait_started(4)
         extra = greedy.send(m.Lookup, {"keys": ("g0",)})
@@ -82,7 +82,7 @@ def test_the_daemon_wide_limit_answers_busy_to_everyone(tmp_path: Path, cache: H
     with InProcessDaemon(tmp_path / "s", max_inflight_requests=3) as d, \
             Client(d.endpoint, timeout=10) as a, Client(d.endpoint, timeout=10) as b:
         a.register(cache)
-        held = HeldDisk(d.daemon.backend.disk, "write_file")
+        held = HeldDisk(d.daemon.file_backend.disk, "write_file")
         sent = [persisted_swap_out(a, i, f"w{i}") for i in range(3)]
         held.wait_started(3)
         with pytest.raises(Busy) as err:
@@ -99,7 +99,7 @@ def test_shutdown_answers_unfinished_requests_unavailable_and_keeps_their_writes
     daemon = InProcessDaemon(tmp_path / "s", drain_timeout_s=0.5)
     with daemon as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
-        held = HeldDisk(d.daemon.backend.disk, "write_file")
+        held = HeldDisk(d.daemon.file_backend.disk, "write_file")
         stuck = persisted_swap_out(c, 5, "late", timeout=30)
         held.wait_started(1)
         d._loop.call_soon_threadsafe(d.daemon.request_exit)
@@ -124,7 +124,7 @@ def test_a_slow_read_times_out_with_an_answer_and_never_writes_late(tmp_path: Pa
         c.register(cache)
         c.swap_out([1], ["slow"], wait="persisted")
         expected = cache.block_record(1)
-        slow = HeldDisk(d.daemon.backend.disk, "read_file", delay=0.6)
+        slow = HeldDisk(d.daemon.file_backend.disk, "read_file", delay=0.6)
         cache.zero_blocks([9])
         with pytest.raises(Timeout) as err:
             c.swap_in(["slow"], [9], timeout=0.2)
@@ -205,7 +205,7 @@ def test_decoded_requests_in_flight_are_bounded_in_bytes(tmp_path: Path, cache: 
     with InProcessDaemon(tmp_path / "s", max_inflight_request_bytes=budget) as d, \
             Client(d.endpoint, timeout=10) as greedy, Client(d.endpoint, timeout=10) as other:
         greedy.register(cache)
-        held = HeldDisk(d.daemon.backend.disk, "write_file")
+        held = HeldDisk(d.daemon.file_backend.disk, "write_file")
 
         def swap_out(n: int) -> int:  # 32 keys of 128 characters, each request its own
             keys = tuple(f"r{n}-{i}".ljust(128, "k") for i in range(32))

@@ -72,7 +72,7 @@ def fill(cache: HostKVCache, blocks: list[int], value: int) -> None:
 def make_hole(kind: str, d: InProcessDaemon, c: Client, root: Path, key: str) -> str:
     """Turn the stored ``key`` into a hole of the given kind; returns the status swap_in must
     report for it."""
-    disk = d.daemon.backend.disk
+    disk = d.daemon.file_backend.disk
     if kind == "miss":
         assert c.delete([key]) == 1
         return "miss"
@@ -99,7 +99,7 @@ def test_loaded_is_the_leading_run_and_the_hole_is_untouched(tmp_path: Path, cac
     root = tmp_path / "s"
     with InProcessDaemon(root, host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:  # holes in the file tier
         c.register(cache)
-        disk = d.daemon.backend.disk
+        disk = d.daemon.file_backend.disk
         read_file = disk.read_file
         # The hole first, second, and last of four keys.
         for round_, hole in enumerate((0, 1, 3)):
@@ -179,7 +179,7 @@ def test_records_on_disk_are_the_bytes_swapped_out_while_slots_are_reused(tmp_pa
     with InProcessDaemon(root, write_staging_bytes=slots * 4096) as d, HostKVCache.create(layout) as cache, \
             Client(d.endpoint, timeout=30) as c:
         assert c.register(cache)["write_slots"] == slots
-        slow = SlowWrites(d.daemon.backend.disk, delay_s=0.03)
+        slow = SlowWrites(d.daemon.file_backend.disk, delay_s=0.03)
         rng = np.random.default_rng(5)
         swapped: dict[str, bytes] = {}
         busy = 0

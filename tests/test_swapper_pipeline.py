@@ -36,7 +36,7 @@ def test_swap_out_answers_every_key_and_counts_blocks_and_bytes(tmp_path: Path, 
         out = c.swap_out([0, 1, 2, 1], ["a", "b", "c", "b"], wait="persisted")
         assert out.status == ["exists", "stored", "stored", "exists"]  # stored before, or named twice
         assert (out.queued, out.stored, out.exists, out.skipped, out.failed) == (0, 2, 2, 0, 0)
-        with GatedWrites(d.daemon.backend.disk) as gate:  # opened on the way out, even when a check fails
+        with GatedWrites(d.daemon.file_backend.disk) as gate:  # opened on the way out, even when a check fails
             out = c.swap_out([3, 4], ["d", "e"])
             assert out.status == ["queued", "queued"]
             assert (out.queued, out.stored, out.exists, out.skipped, out.failed) == (2, 0, 0, 0, 0)
@@ -97,7 +97,7 @@ def test_failed_writes_are_one_log_line_per_request_and_counted_by_code(tmp_path
                                                                          caplog: pytest.LogCaptureFixture) -> None:
     with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
-        disk = d.daemon.backend.disk
+        disk = d.daemon.file_backend.disk
 
         def failing(*args, **kwargs):
             raise OSError(errno.EIO, "Input/output error")
@@ -147,7 +147,7 @@ def test_stats_describe_the_registration_its_tiers_and_staging(tmp_path: Path, c
 def test_a_delete_waits_for_the_write_in_flight_and_is_not_undone(tmp_path: Path, cache: HostKVCache) -> None:
     with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
-        with GatedWrites(d.daemon.backend.disk) as gate:  # opened on the way out, even when a check fails
+        with GatedWrites(d.daemon.file_backend.disk) as gate:  # opened on the way out, even when a check fails
             assert c.swap_out([0, 1], ["k", "other"]).queued == 2
             assert gate.started.acquire(timeout=10)
             sent = c.send(m.Delete, {"keys": ("k",)})
@@ -162,7 +162,7 @@ def test_a_delete_waits_for_the_write_in_flight_and_is_not_undone(tmp_path: Path
 def test_clear_waits_for_pending_writes_and_counts_what_it_removed(tmp_path: Path, cache: HostKVCache) -> None:
     with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
-        with GatedWrites(d.daemon.backend.disk) as gate:  # opened on the way out, even when a check fails
+        with GatedWrites(d.daemon.file_backend.disk) as gate:  # opened on the way out, even when a check fails
             assert c.swap_out([0, 1, 2], ["a", "b", "c"]).queued == 3
             assert gate.started.acquire(timeout=10)
             sent = c.send(m.Clear, {})
@@ -180,7 +180,7 @@ def test_a_tier_that_fails_a_delete_is_logged_and_the_others_answer(tmp_path: Pa
         def failing(path):
             raise OSError(errno.EROFS, "Read-only file system")
 
-        d.daemon.backend.disk.remove = failing
+        d.daemon.file_backend.disk.remove = failing
         with caplog.at_level("WARNING"):
             assert c.delete(["a", "b"]) == 2  # the host tier deleted both
         assert "file tier: cannot delete a record: Read-only file system" in [r.getMessage() for r in caplog.records]
@@ -304,7 +304,7 @@ def test_a_record_read_after_its_deadline_is_not_scattered_and_counts_as_an_erro
     with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         assert c.swap_out([1], ["slow"], wait="persisted").stored == 1
-        disk = d.daemon.backend.disk
+        disk = d.daemon.file_backend.disk
         real_read = disk.read_file
         release = threading.Event()
 
@@ -376,7 +376,7 @@ def test_a_swap_in_whose_registration_is_released_meanwhile_says_so_and_writes_n
         c.register(cache)
         assert c.swap_out([0], ["a"], wait="persisted").stored == 1
         registration = d.daemon.swapper.registration
-        disk = d.daemon.backend.disk
+        disk = d.daemon.file_backend.disk
         real_read = disk.read_file
         reading, go = threading.Event(), threading.Event()
 
@@ -416,7 +416,7 @@ def test_each_record_of_a_swap_out_is_written_once_across_its_gather_chunks(tmp_
                                                                             cache: HostKVCache) -> None:
     with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
-        disk = d.daemon.backend.disk
+        disk = d.daemon.file_backend.disk
         real_write = disk.write_file
         written: list[str] = []
         lock = threading.Lock()
@@ -492,7 +492,7 @@ def test_copies_reads_and_writes_run_on_their_own_named_threads(tmp_path: Path, 
     with InProcessDaemon(tmp_path / "s", host_tier_bytes=0, write_threads=2, read_threads=3) as d, \
             Client(d.endpoint, timeout=10) as c:
         c.register(cache)
-        disk = d.daemon.backend.disk
+        disk = d.daemon.file_backend.disk
         real_read = disk.read_file
         mover = d.daemon.swapper.registration.mover
         real_gather = mover.gather_blocks
