@@ -41,6 +41,8 @@ import time
 from collections import OrderedDict
 from typing import Callable, Final, Generic, Hashable, Iterable, Sequence, TypeVar
 
+from kvswap.protocol.errors import NoSpace
+
 N = TypeVar("N", bound=Hashable)
 
 #: The eviction orders a store can be built with: "chain" (this module's rule) and "lru", the
@@ -51,6 +53,12 @@ POLICIES: Final = ("chain", "lru")
 #: Stamps handed to records a swap_out is about to write, kept until their put (or until this
 #: many newer ones were handed out: a write that never happens must not hold memory forever).
 RESERVED_LIMIT: Final = 1 << 16
+
+
+def chain_broken(key: str, tier: str) -> NoSpace:
+    """The refusal of a record whose predecessor in its chain is gone (both tiers answer it)."""
+    return NoSpace("the record before this one in its chain was evicted; storing it would waste the space",
+                   key=key, tier=tier)
 
 
 class ChainOrder(Generic[N]):

@@ -51,6 +51,7 @@ from kvswap.protocol.errors import Corrupt, IOFailure, NoSpace
 
 from . import record
 from .base import Backend, GetStatus, Store
+from .chains import chain_broken
 from .disk import DIRECT_IO_MODES, FSYNC_MODES, Disk, aligned_empty, make_private_dirs, try_flock
 from .file_index import RecordIndex
 from .file_layout import LOCK_NAME, RECORD_SUFFIX, TMP_SUFFIX, reclaim_temp_files, record_name, scan_record_files
@@ -228,8 +229,7 @@ class FileStore(Store):
 
     def _chain_broken(self, key: str) -> NoSpace:
         self._count("chain_refused", 1)
-        return NoSpace("the record before this one in its chain was evicted; storing it would waste the space",
-                       key=key, tier="file")
+        return chain_broken(key, "file")
 
     def _header(self, key: str, payload: memoryview) -> memoryview | bytes:
         header = record.encode_header(self.namespace_bytes, key, len(payload), record.payload_checksum(payload))

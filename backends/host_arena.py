@@ -125,7 +125,7 @@ class HostArena:
         if record_bytes <= 0 or staging_slots <= 0 or cache_slots < 0:
             raise ValueError("an arena needs a record size and at least one staging slot")
         self.record_bytes = record_bytes
-        self.slot_bytes = round_up_to_page(record_bytes)  # the rule staging.slot_bytes_for names
+        self.slot_bytes = round_up_to_page(record_bytes)  # every slot whole pages, so each starts aligned
         self.staging_slots = staging_slots
         self.capacity = staging_slots + cache_slots
         # An anonymous mapping: page aligned, and reserved without being touched.

@@ -35,7 +35,7 @@ from kvswap.protocol.errors import NoSpace
 from kvswap.common.units import round_up_to_page
 
 from .base import Backend, GetStatus, HeldRecord, Store
-from .chains import ChainOrder
+from .chains import ChainOrder, chain_broken
 from .host_arena import ArenaSlot, HostArena
 
 Entry = tuple[str, str]  # (namespace, key)
@@ -87,7 +87,7 @@ class RamTier:
             if old is None and self._order.orphaned(entry):
                 self._order.release(entry)
                 self._refused_locked(namespace)
-                raise _chain_broken(key)
+                raise chain_broken(key, "host")
             if slot.kept is not None:
                 self._forget_locked(slot)
             if old is not None:
@@ -100,7 +100,7 @@ class RamTier:
                 # Its predecessor was evicted (to make room for it, say): nothing could reach it.
                 self._forget_locked(slot)
                 self._refused_locked(namespace)
-                raise _chain_broken(key)
+                raise chain_broken(key, "host")
 
     def find(self, namespace: str, key: str) -> ArenaSlot | None:
         """The slot holding ``key``, held once more for the caller (release it), or None."""
@@ -385,6 +385,3 @@ class RamBackend(Backend):
         return ram.problems() if ram is not None else []
 
 
-def _chain_broken(key: str) -> NoSpace:
-    return NoSpace("the record before this one in its chain was evicted; storing it would waste the space",
-                   key=key, tier="host")

@@ -16,12 +16,12 @@ from kvswap.protocol import messages as m
 from kvswap.protocol.errors import InvalidLayout
 from kvswap.protocol.layout import CacheLayout
 from kvswap.protocol.limits import MAX_KEY_LENGTH, MAX_KEYS_PER_REQUEST, MAX_MESSAGE_BYTES, PROTOCOL_VERSION
+from kvswap.common.units import round_up_to_page
 from kvswap.protocol.results import SwapInResult, SwapOutResult
 
 from .config import Config
 from .deadline import Deadline
 from .registrar import Caller
-from .staging import slot_bytes_for
 from .swapper import Swapper
 
 Handler = Callable[[Any, Deadline], Awaitable[Any]]
@@ -66,11 +66,12 @@ class Ops:
         return {"pong": True}
 
     async def _register(self, request: m.Register, deadline: Deadline) -> dict[str, Any]:
-        # Before anything is mapped or allocated: staging holds at least one whole record per
-        # pool, so a layout with huge records (over a sparse segment that costs its sender
-        # nothing) would make the daemon allocate and touch that much memory twice over.
+        # Before anything is mapped or allocated: staging holds at least one whole record (a
+        # slot: whole pages) per pool, so a layout with huge records (over a sparse segment that
+        # costs its sender nothing) would make the daemon allocate and touch that much memory
+        # twice over.
         layout = CacheLayout.from_wire(request.layout)
-        slot = slot_bytes_for(layout.record_bytes)
+        slot = round_up_to_page(layout.record_bytes)
         budget = min(self.config.write_staging_bytes, self.config.read_staging_bytes)
         if slot > budget:
             raise InvalidLayout(f"a record of {layout.record_bytes} bytes does not fit in the staging memory of "

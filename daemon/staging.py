@@ -33,16 +33,9 @@ from .data_threads import data_pool
 from .metrics import Metrics
 from .movers.base import Mover
 
-__all__ = ["Slot", "Staging", "StagingPool", "aligned_empty", "slot_bytes_for"]
+__all__ = ["Slot", "Staging", "StagingPool", "aligned_empty"]
 
 log = logging.getLogger(__name__)
-
-
-def slot_bytes_for(record_bytes: int) -> int:
-    """Bytes one staging slot takes for a record: whole pages, so every slot starts aligned.
-    The host arena sizes its slots by the same rule (``round_up_to_page``; backends cannot import
-    the daemon)."""
-    return round_up_to_page(record_bytes)
 
 
 class StagingPool(ArenaWindow):
@@ -50,7 +43,7 @@ class StagingPool(ArenaWindow):
     :class:`Staging` shares one arena between its windows and the RAM tier instead."""
 
     def __init__(self, record_bytes: int, budget_bytes: int, name: str = "staging") -> None:
-        capacity = max(1, budget_bytes // slot_bytes_for(record_bytes))
+        capacity = max(1, budget_bytes // round_up_to_page(record_bytes))
         super().__init__(HostArena(record_bytes, capacity), name, capacity)
 
     @property
@@ -101,7 +94,7 @@ class Staging:
         """An arena of ``record_bytes`` slots (blocking: run on a thread)."""
         if self.arena is not None and self.arena.record_bytes == record_bytes:
             return
-        slot_bytes = slot_bytes_for(record_bytes)
+        slot_bytes = round_up_to_page(record_bytes)
         writes = max(1, self.write_bytes // slot_bytes)
         reads = max(1, self.read_bytes // slot_bytes)
         arena = self._make_arena(record_bytes, writes + reads)

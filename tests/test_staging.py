@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvswap.common.units import PAGE_BYTES
-from kvswap.daemon.staging import StagingPool, aligned_empty, slot_bytes_for
+from kvswap.common.units import PAGE_BYTES, round_up_to_page
+from kvswap.daemon.staging import StagingPool, aligned_empty
 
 
 def test_aligned_empty_is_aligned_and_sized():
@@ -22,7 +22,7 @@ def test_aligned_empty_is_aligned_and_sized():
 @pytest.mark.parametrize("record_bytes, slot_bytes", [(1, 4096), (4096, 4096), (4097, 8192), (10_000, 12288)])
 def test_slots_are_aligned_sized_and_disjoint(record_bytes, slot_bytes):
     pool = StagingPool(record_bytes, budget_bytes=4 * slot_bytes)
-    assert PAGE_BYTES == 4096 and slot_bytes_for(record_bytes) == slot_bytes
+    assert PAGE_BYTES == 4096 and round_up_to_page(record_bytes) == slot_bytes
     assert pool.slot_bytes == slot_bytes
     assert pool.capacity == 4 and pool.free == 4 and pool.in_use == 0
     slots = pool.try_take(4)

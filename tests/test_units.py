@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from kvswap.backends.remote_url import RemoteConfigError, parse_remote_url
 from kvswap.common.units import PAGE_BYTES, SIZE_UNITS, parse_size, round_up_to_page
 from kvswap.daemon.cli import BYTES
-from kvswap.daemon.staging import StagingPool, slot_bytes_for
+from kvswap.daemon.staging import StagingPool
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -55,9 +55,9 @@ def test_integer_sizes_scale_exactly(number, unit):
 def test_slots_round_to_whole_pages(nbytes):
     rounded = round_up_to_page(nbytes)
     assert rounded % PAGE_BYTES == 0 and nbytes <= rounded < nbytes + PAGE_BYTES
-    assert slot_bytes_for(nbytes) == rounded
+    assert round_up_to_page(nbytes) == rounded
 
 
 def test_staging_pool_uses_the_slot_rule():
     pool = StagingPool(PAGE_BYTES + 1, budget_bytes=4 * PAGE_BYTES)
-    assert pool.slot_bytes == slot_bytes_for(PAGE_BYTES + 1) == 2 * PAGE_BYTES and pool.capacity == 2
+    assert pool.slot_bytes == round_up_to_page(PAGE_BYTES + 1) == 2 * PAGE_BYTES and pool.capacity == 2
