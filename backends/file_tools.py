@@ -15,6 +15,9 @@ for a name that starts ``abcd``) is a *record*; a record file anywhere else in i
 is not part of the layout, a symlink, a loose file in the root) is *unknown*. Only a
 namespace's ``namespace.json`` and ``evict.lock`` (its metadata) and the root's ``lost+found``
 are not entries.
+
+(Over 500 lines: inspect, verify and gc share one walk of the directory that accounts for every
+file, and verify's checks are the record format's; each command's own code is short.)
 """
 
 from __future__ import annotations
