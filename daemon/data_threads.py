@@ -31,12 +31,16 @@ thread alone; raising a nice value needs no privilege.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: The nice value data threads run at unless configured (0 leaves them at the loop's).
 DEFAULT_NICE = 10
@@ -63,3 +67,49 @@ def lower_priority(nice: int) -> bool:
 def data_pool(workers: int, name: str, nice: int) -> ThreadPoolExecutor:
     """A pool whose threads lower their own priority by ``nice`` when they start."""
     return ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=lower_priority, initargs=(nice,))
+
+
+class DataThreads:
+    """Every thread pool of one daemon, made once (by the swapper) and handed to the parts that
+    use them. Making a pool starts no thread: each starts on its pool's first job.
+
+    Each kind of work has its own pool, so a slow one never holds up another: a directory scan
+    can take seconds, a remote probe can block for a connect timeout, and neither may delay
+    eviction or the swap pipeline. The pools that move or scan bytes run below the loop's
+    priority (``nice``; see the module doc); the copy pool at half of it."""
+
+    def __init__(self, write_threads: int = 1, read_threads: int = 1, nice: int = 0) -> None:
+        self.write = data_pool(write_threads, "kvswap-write", nice)
+        self.read = data_pool(read_threads, "kvswap-read", nice)
+        # Gathers and scatters are memory copies; one thread keeps them ordered and off the loop.
+        # The engine waits for the copy ("copied"), not for the writes: it runs between the
+        # loop and the I/O threads (py-spy of one swap_out: the copy thread shared the cores
+        # with the write threads' checksums and system calls).
+        self.copy = data_pool(1, "kvswap-copy", nice // 2)
+        # Mapping an engine's memory, opening stores and making staging take time; they run
+        # here, one registration at a time, never on the loop or the copy thread.
+        self.register = ThreadPoolExecutor(1, thread_name_prefix="kvswap-register")
+        #: Index scans and eviction, which can take seconds on big directories.
+        self.maintain = data_pool(1, "kvswap-maintain", nice)
+        #: Remote health probes, which can block for a connect timeout.
+        self.health = ThreadPoolExecutor(1, thread_name_prefix="kvswap-health")
+        #: Whether the registered engine's process is alive.
+        self.liveness = ThreadPoolExecutor(1, thread_name_prefix="kvswap-liveness")
+        #: Faulting in the host arena's RAM-tier share as it fills.
+        self.fault = data_pool(1, "kvswap-fault", nice)
+
+    @property
+    def pools(self) -> list[ThreadPoolExecutor]:
+        return [self.copy, self.read, self.write, self.register, self.maintain, self.health, self.liveness,
+                self.fault]
+
+    def shutdown(self) -> None:
+        """Wait for every job submitted, then end the threads (the owners have awaited their
+        work already; this ends the idle threads)."""
+        for pool in self.pools:
+            pool.shutdown(wait=True, cancel_futures=False)
+
+
+async def run(pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on one of ``pool``'s threads, awaited on the loop."""
+    return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))

@@ -77,10 +77,10 @@ class Ops:
             raise InvalidLayout(f"a record of {layout.record_bytes} bytes does not fit in the staging memory of "
                                 f"{budget} bytes; raise --write-staging-bytes and --read-staging-bytes",
                                 record_bytes=layout.record_bytes, staging_bytes=budget)
-        return await self.swapper.registrar.register(request.layout, request.handles, request.regions, request.pid)
+        return await self.swapper.register(request.layout, request.handles, request.regions, request.pid)
 
     async def _unregister(self, request: m.Unregister, deadline: Deadline) -> dict[str, Any]:
-        return {"released": await self.swapper.registrar.unregister(Caller(request.token, request.pid))}
+        return {"released": await self.swapper.unregister(Caller(request.token, request.pid))}
 
     async def _stats(self, request: m.Stats, deadline: Deadline) -> dict[str, Any]:
         out = self.swapper.stats()

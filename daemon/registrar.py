@@ -19,22 +19,21 @@ same layout finds its index warm.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Sequence
 
 from kvswap.backends.base import Backend, Store
 from kvswap.protocol.errors import NotRegistered, RegistrationHeld
 
+from .background import Background
+from .data_threads import DataThreads, run
 from .metrics import Metrics
 from .registration import Lease, Registration
 from .staging import Staging
 from .tiers import Locations, NamespaceTiers
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -51,39 +50,36 @@ ANONYMOUS = Caller()
 
 
 class Registrar:
-    def __init__(self, backends: dict[str, Backend], locations: Locations, staging: Staging, metrics: Metrics) -> None:
+    """``on_open_store`` is called with each store when its namespace is first opened (the
+    upkeep's index scan). Mapping an engine's memory, opening stores and making staging run on
+    the register thread (``threads.register``), one registration at a time."""
+
+    def __init__(self, backends: dict[str, Backend], locations: Locations, staging: Staging, metrics: Metrics,
+                 threads: DataThreads, on_open_store: Callable[[Store], None] = lambda store: None) -> None:
         self.backends = backends
         self.locations = locations
         self.staging = staging
         self.metrics = metrics
+        self.threads = threads
+        self.on_open_store = on_open_store
         self.current: Registration | None = None
         #: Stores per namespace; see the module doc.
         self.namespaces: dict[str, NamespaceTiers] = {}
-        #: Called with each store when its namespace is first opened (the upkeep's scan).
-        self.on_open_store: Callable[[Store], None] = lambda store: None
-        self._pool: ThreadPoolExecutor | None = None
+        #: Releases started by ``fail``, awaited by ``stop``.
+        self._background = Background("registrar")
         self._lock: asyncio.Lock | None = None
 
-    def start(self) -> None:
-        # Mapping an engine's memory, opening stores and making staging take time; they run
-        # here, one registration at a time, never on the loop or the copy thread.
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvswap-register")
-
     async def stop(self) -> None:
+        """Finish the releases in progress, then release the current registration."""
+        await self._background.stop()
         if self.current is not None:
             await self.release(self.current, "shutdown")
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=False)
 
     def close_stores(self) -> None:
         """Close every namespace's stores (after the writes to them have finished)."""
         for tiers in self.namespaces.values():
             tiers.close()
         self.namespaces.clear()
-
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        assert self._pool is not None, "Registrar.start() was not called"
-        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
 
     def _serialised(self) -> asyncio.Lock:
         if self._lock is None:
@@ -101,21 +97,21 @@ class Registrar:
         async with self._serialised():
             # Validated and opened first, so bad input gets its own error whoever holds the
             # registration; a refused engine's memory is closed again below.
-            registration = await self._run(Registration.attach, layout, handles, regions, pid)
+            registration = await run(self.threads.register, Registration.attach, layout, handles, regions, pid)
             try:
                 await self._check_holder(pid)
                 # Staging's arena first: the RAM tier's stores keep their records in it.
-                await self._run(self.staging.prepare, registration.record_bytes)
+                await run(self.threads.register, self.staging.prepare, registration.record_bytes)
                 cached = self.namespaces.get(registration.namespace)
-                tiers = await self._run(self._open_namespace, registration, cached)
+                tiers = await run(self.threads.register, self._open_namespace, registration, cached)
                 if tiers is not cached:
                     self.namespaces[registration.namespace] = tiers
                     for store in tiers:
                         if cached is None or store not in cached.stores.values():
                             self.on_open_store(store)
-                await self._run(self.staging.pin, registration.mover)
+                await run(self.threads.register, self.staging.pin, registration.mover)
             except BaseException:
-                await self._run(registration.close)
+                await run(self.threads.register, registration.close)
                 raise
             if self.current is not None:
                 await self._release(self.current, "replaced")
@@ -142,7 +138,7 @@ class Registrar:
         holder = self.current
         if holder is None or holder.pid == 0 or holder.pid == pid:
             return
-        if await self._run(holder.engine_alive):
+        if await run(self.threads.register, holder.engine_alive):
             log.warning("register from pid %d refused: pid %d holds the registration", pid, holder.pid)
             raise RegistrationHeld(f"this daemon's cache registration belongs to pid {holder.pid}, which is alive; "
                                    "one daemon serves one engine (check the cache-queue port of this engine)",
@@ -185,7 +181,7 @@ class Registrar:
         if self.current is registration:
             self.current = None
         await registration.drain()
-        await self._run(registration.close)
+        await run(self.threads.register, registration.close)
         # Reported after the unmap, so a watcher that sees 0 knows the memory is let go.
         self.metrics.registered.set(0)
         self.metrics.registrations.labels(event=reason).inc()
@@ -222,9 +218,6 @@ class Registrar:
         """Stop new requests on ``registration`` now and release it in the background (a
         request that found its memory unusable; it must answer, not wait for the release)."""
         registration.close_soon()
-
-        def released(task: asyncio.Future) -> None:
-            if not task.cancelled() and task.exception() is not None:
-                log.error("releasing the registration of pid %d failed: %s", registration.pid, task.exception())
-
-        asyncio.ensure_future(self.release(registration, reason)).add_done_callback(released)
+        # Not cancelled on stop: the release may be unmapping the engine's memory on a thread.
+        self._background.spawn(self.release(registration, reason),
+                               f"releasing the registration of pid {registration.pid}")

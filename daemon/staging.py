@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -29,7 +28,8 @@ from kvswap.backends.host_arena import ArenaWindow, HostArena
 from kvswap.protocol.errors import Busy, TooLarge
 from kvswap.common.units import round_up_to_page
 
-from .data_threads import data_pool
+from .background import Background
+from .data_threads import DataThreads, run
 from .metrics import Metrics
 from .movers.base import Mover
 
@@ -72,18 +72,21 @@ class Staging:
     """
 
     def __init__(self, write_bytes: int, read_bytes: int, backends: Iterable[Backend], metrics: Metrics,
-                 nice: int = 0) -> None:
+                 threads: DataThreads | None = None) -> None:
         self.write_bytes = write_bytes
         self.read_bytes = read_bytes
         self.backends = list(backends)
         self.metrics = metrics
-        self.nice = nice
+        #: The daemon's pools (the fault-in runs on ``threads.fault``); without them (a staging
+        #: made alone, in tests) the arena is faulted in only as slots are first taken.
+        self.threads = threads
         self.arena: HostArena | None = None
         self.write: ArenaWindow | None = None
         self.read: ArenaWindow | None = None
         # Created on first use, on the loop: swap_ins waiting for read slots wait on it.
         self._read_freed: asyncio.Condition | None = None
-        self._grower: ThreadPoolExecutor | None = None
+        #: The fault-in in progress, awaited by ``stop``.
+        self._background = Background("staging")
         self._growing = False
 
     @property
@@ -121,22 +124,22 @@ class Staging:
         """Fault in the rest of the arena's RAM-tier share in the background once the free
         slots run low (on the loop; the faulting itself runs on a low-priority thread)."""
         arena = self.arena
-        if arena is None or self._growing or not arena.wants_growth():
+        if arena is None or self.threads is None or self._growing or not arena.wants_growth():
             return
-        if self._grower is None:
-            self._grower = data_pool(1, "kvswap-fault", self.nice)
         self._growing = True
+        self._background.spawn(self._grow_all(arena, self.threads), "faulting in the host pool")
 
-        def done(fut: asyncio.Future) -> None:
+    async def _grow_all(self, arena: HostArena, threads: DataThreads) -> None:
+        try:
+            await run(threads.fault, arena.grow_all)
+        except Exception as exc:
+            log.error("faulting in the host pool failed: %s", exc)
+        finally:
             self._growing = False
-            if fut.exception() is not None:
-                log.error("faulting in the host pool failed: %s", fut.exception())
 
-        asyncio.get_running_loop().run_in_executor(self._grower, arena.grow_all).add_done_callback(done)
-
-    def close(self) -> None:
-        if self._grower is not None:
-            self._grower.shutdown(wait=True)
+    async def stop(self) -> None:
+        """Wait for the fault-in in progress (its thread touches the arena: not cancelled)."""
+        await self._background.stop()
 
     def pin(self, mover: Mover) -> None:
         """Page-lock the arena's memory for a GPU mover now, not on the first swap (blocking)."""

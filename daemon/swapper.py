@@ -28,15 +28,16 @@ import asyncio
 import functools
 import logging
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 from kvswap.backends.base import Backend, GetStatus, HeldRecord, Store
 from kvswap.protocol.errors import KvswapError, NotRegistered, Timeout
 from kvswap.protocol.results import SwapInResult, SwapOutResult
 
+from .background import Background
 from .config import Config
-from .data_threads import data_pool
+from .data_threads import DataThreads, run
 from .deadline import CopyGuard, Deadline
 from .inflight import InflightTable, InflightWrite
 from .metrics import Metrics
@@ -45,7 +46,7 @@ from .registrar import ANONYMOUS, Caller, Registrar
 from .registration import Lease, Registration
 from .staging import Slot, Staging
 from .tiers import Locations, NamespaceTiers
-from .upkeep import Upkeep, log_failure
+from .upkeep import Upkeep
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,31 +62,22 @@ class Swapper:
         self.backends = backends
         self.locations = locations
         self.metrics = metrics
+        #: Every thread pool, below the loop's priority where they move bytes (data_threads.py).
+        self.threads = DataThreads(config.write_threads, config.read_threads, config.data_thread_nice)
         self.staging = Staging(config.write_staging_bytes, config.read_staging_bytes, backends.values(), metrics,
-                               config.data_thread_nice)
-        self.registrar = Registrar(backends, locations, self.staging, metrics)
-        self.upkeep = Upkeep(backends.values(), self.registrar, config.remote_check_interval_s,
-                             config.data_thread_nice)
-        self.registrar.on_open_store = self.upkeep.start_scan
+                               self.threads)
+        self.upkeep = Upkeep(backends.values(), self.threads, config.remote_check_interval_s)
+        self.registrar = Registrar(backends, locations, self.staging, metrics, self.threads,
+                                   on_open_store=self.upkeep.start_scan)
         self._inflight = InflightTable()
-        self._write_tasks: set[asyncio.Task] = set()
-        self._write_pool: ThreadPoolExecutor | None = None
-        self._read_pool: ThreadPoolExecutor | None = None
-        self._copy_pool: ThreadPoolExecutor | None = None
+        #: The writes of each swap_out (``flush`` waits for them); never cancelled.
+        self._writes = Background("writes")
+        #: Chain touches after a lookup or swap_in.
+        self._background = Background("swapper")
 
     # -- lifetime -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        nice = self.config.data_thread_nice  # below the loop's priority: see data_threads.py
-        self._write_pool = data_pool(self.config.write_threads, "kvswap-write", nice)
-        self._read_pool = data_pool(self.config.read_threads, "kvswap-read", nice)
-        # Gathers and scatters are memory copies; one thread keeps them ordered and off the loop.
-        # The engine waits for the copy ("copied"), not for the writes: it runs between the
-        # loop and the I/O threads (py-spy of one swap_out: the copy thread shared the cores
-        # with the write threads' checksums and system calls).
-        self._copy_pool = data_pool(1, "kvswap-copy", nice // 2)
-        self.registrar.start()
-        self.upkeep.start()
         self.metrics.watch_stores(lambda: list(self.registrar.open_stores()))
         for tier, backend in self.backends.items():
             self.metrics.stored_records.labels(tier=tier).set_function(functools.partial(self._usage, tier, "records"))
@@ -93,12 +85,14 @@ class Swapper:
             self.metrics.tier_healthy.labels(tier=tier).set_function(functools.partial(_healthy, backend))
 
     async def stop(self) -> None:
+        """Release the registration, wait for every write and all background work, then end the
+        threads and close the stores. (A forced exit never calls it: see server.run.)"""
         await self.registrar.stop()
-        for pool in (self._copy_pool, self._read_pool, self._write_pool):
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=False)
-        self.upkeep.stop()
-        self.staging.close()
+        await self._writes.stop()
+        await self._background.stop()
+        await self.upkeep.stop()
+        await self.staging.stop()
+        self.threads.shutdown()
         self.registrar.close_stores()
         for backend in self.backends.values():
             backend.close()
@@ -112,14 +106,21 @@ class Swapper:
         return len(self._inflight)
 
     async def check_engine(self) -> None:
-        await self.upkeep.check_engine()
+        """Release the registration of an engine whose process is gone."""
+        registration = self.registrar.current
+        if registration is not None and not await self.upkeep.engine_alive(registration):
+            log.warning("engine pid %d is gone; releasing its cache mapping", registration.pid)
+            await self.registrar.release(registration, "engine_exited")
 
     async def maintain(self) -> None:
-        await self.upkeep.maintain()
+        await self.upkeep.maintain(self.registrar.open_stores())
 
-    async def _run(self, pool: ThreadPoolExecutor | None, fn: Callable[..., T], *args: Any) -> T:
-        assert pool is not None, "Swapper.start() was not called"
-        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+    async def register(self, layout: dict[str, Any], handles: Sequence[dict], regions: Sequence[dict],
+                       pid: int) -> dict[str, Any]:
+        return await self.registrar.register(layout, handles, regions, pid)
+
+    async def unregister(self, caller: Caller) -> bool:
+        return await self.registrar.unregister(caller)
 
     def _usage(self, tier: str, what: str) -> float:
         registration = self.registrar.current
@@ -159,7 +160,7 @@ class Swapper:
             seen.add(key)
             todo.append(i)
         if todo:
-            todo = await self._run(self._read_pool, _not_stored, tiers, keys, todo)
+            todo = await run(self.threads.read, _not_stored, tiers, keys, todo)
         slots = self.staging.take_write(len(todo), partial, len(self._inflight))
         for i in todo[len(slots):]:
             status[i] = "skipped"  # partial: no staging left for these; the engine may retry them
@@ -173,9 +174,9 @@ class Swapper:
 
         def submit(start: int, stop: int) -> Future:
             items = [(key, entry.slot) for key, entry in entries[start:stop]]
-            return self._write_pool.submit(_write_chunk, tiers, items)  # type: ignore[union-attr]
+            return self.threads.write.submit(_write_chunk, tiers, items)
 
-        chunks, failure = await self._run(self._copy_pool, _gather_and_submit, registration,
+        chunks, failure = await run(self.threads.copy, _gather_and_submit, registration,
                                           [block_ids[i] for i in todo], [e.slot.view for _, e in entries],
                                           _guard(registration, deadline), submit)
         # The engine's memory is no longer needed (the writes read staging): a release need
@@ -188,9 +189,7 @@ class Swapper:
             self._drop_inflight(namespace, key, entry)
         for _, entry in entries[:copied]:
             entry.copied.set_result(None)
-        task = asyncio.ensure_future(self._finish_writes(namespace, entries, chunks))
-        self._write_tasks.add(task)
-        task.add_done_callback(self._write_tasks.discard)
+        task = self._writes.spawn(self._finish_writes(namespace, entries, chunks), "writes of a swap_out")
         if failure is not None:
             self._failed(registration, failure)
             raise failure
@@ -315,7 +314,7 @@ class Swapper:
                 # Every read ends before the slots go back, even when one fails: a read thread
                 # must never write into a slot another request has taken.
                 grouped = await asyncio.gather(*(
-                    self._run(self._read_pool, _read_records, tiers,
+                    run(self.threads.read, _read_records, tiers,
                               [(keys[i], slot, (registration, block_ids[i], live) if per_record else None)
                                for i, slot in group])
                     for group in groups), return_exceptions=True)
@@ -333,7 +332,7 @@ class Swapper:
                         if not per_record:
                             sources[i] = slot
                 order = sorted(sources)
-                ok = await self._run(self._copy_pool, _scatter_many, registration, [block_ids[i] for i in order],
+                ok = await run(self.threads.copy, _scatter_many, registration, [block_ids[i] for i in order],
                                      [sources[i].view for i in order], live)
                 for i in order:
                     status[i] = "loaded" if ok else "error"
@@ -354,7 +353,7 @@ class Swapper:
             persist = loaded  # on disk through the last record read from a tier below RAM (touch_hit)
             while persist and not read[persist - 1]:
                 persist -= 1
-            self._read_pool.submit(tiers.touch_hit, keys[:loaded], persist).add_done_callback(log_failure)  # type: ignore[union-attr]
+            self._background.submit(self.threads.read, tiers.touch_hit, keys[:loaded], persist, what="touch_hit")
         for s in status:
             self.metrics.blocks.labels(op="swap_in", status=s).inc()
         self.metrics.bytes.labels(direction="in").inc(status.count("loaded") * registration.record_bytes)
@@ -378,9 +377,9 @@ class Swapper:
         # hop); only a key no tier's index knows goes to the tiers themselves, on a read thread.
         hits = tiers.cached_prefix(keys, inflight)
         if hits < len(keys):
-            hits += await self._run(self._read_pool, tiers.prefix, keys[hits:], set(inflight))
+            hits += await run(self.threads.read, tiers.prefix, keys[hits:], set(inflight))
         if hits:
-            self._read_pool.submit(tiers.touch_chain, keys[:hits]).add_done_callback(log_failure)  # type: ignore[union-attr]
+            self._background.submit(self.threads.read, tiers.touch_chain, keys[:hits], what="touch_chain")
         self.metrics.lookup_keys.labels(result="hit").inc(hits)
         self.metrics.lookup_keys.labels(result="miss").inc(len(keys) - hits)
         return {"hits": hits}
@@ -393,18 +392,18 @@ class Swapper:
         pending = [entry.done for entry in entries if entry is not None]
         if pending:
             await asyncio.gather(*pending)
-        deleted = await self._run(self._write_pool, _in_every_tier, tiers, lambda s: s.delete_many(list(keys)))
+        deleted = await run(self.threads.write, _in_every_tier, tiers, lambda s: s.delete_many(list(keys)))
         return {"deleted": deleted}
 
     async def clear(self) -> dict[str, Any]:
         tiers = self._registered().tiers
         await self.flush()
-        deleted = await self._run(self._write_pool, _in_every_tier, tiers, lambda s: s.clear())
+        deleted = await run(self.threads.write, _in_every_tier, tiers, lambda s: s.clear())
         return {"deleted": deleted}
 
     async def flush(self) -> dict[str, Any]:
         """Wait until every record copied so far has been written (or failed)."""
-        tasks = list(self._write_tasks)
+        tasks = self._writes.tasks
         if tasks:
             # wait(), not gather(): a caller that gives up (a timed-out flush, the drain) must
             # not cancel the writes, whose slots a write thread may still be reading.
@@ -416,7 +415,7 @@ class Swapper:
         out: dict[str, Any] = {
             "registered": registration is not None,
             "pending_writes": len(self._inflight),
-            "write_tasks": len(self._write_tasks),
+            "write_tasks": len(self._writes.tasks),
         }
         if registration is not None:
             out["registration"] = registration.describe()

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from kvswap.daemon.config import Config
+from kvswap.daemon.data_threads import run
 from kvswap.daemon.metrics import Metrics
 from kvswap.daemon.registrar import Caller
 from kvswap.daemon.registration import Registration
@@ -70,8 +71,8 @@ async def _install(swapper: Swapper, mover: GatedMover) -> Registration:
     """Register ``mover`` the way Registrar.register does, minus attaching memory."""
     registration = Registration(LAYOUT, [], [], mover, os.getpid())
     registrar = swapper.registrar
-    await registrar._run(swapper.staging.prepare, registration.record_bytes)
-    registration.tiers = await registrar._run(registrar._open_namespace, registration)
+    await run(swapper.threads.register, swapper.staging.prepare, registration.record_bytes)
+    registration.tiers = await run(swapper.threads.register, registrar._open_namespace, registration)
     registrar.namespaces[registration.namespace] = registration.tiers
     registrar.current = registration
     return registration
