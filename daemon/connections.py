@@ -31,6 +31,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from .background import Background
 from .curve import KvswapAuthenticator
 from .metrics import Metrics
 
@@ -51,7 +52,7 @@ EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | FAILED | zmq.EVENT_DISCONNECTED
 
 class ConnectionGate:
     """Counts the control socket's open connections and admits a handshake while fewer than
-    ``limit`` are open. ``watch`` before the socket binds; ``close`` before the context ends."""
+    ``limit`` are open. ``watch`` before the socket binds; ``stop`` before the context ends."""
 
     def __init__(self, limit: int, metrics: Metrics) -> None:
         self.limit = limit
@@ -61,7 +62,8 @@ class ConnectionGate:
         self._pending: collections.deque[float] = collections.deque()
         self._monitor: zmq.Socket | None = None
         self._sock: zmq.Socket | None = None
-        self._task: asyncio.Task | None = None
+        #: The loop that reads the monitor every DRAIN_INTERVAL_S.
+        self._background = Background("connection gate")
         self._auth: KvswapAuthenticator | None = None
         self._last_log = float("-inf")
         self._refused_since_log = 0
@@ -82,7 +84,7 @@ class ConnectionGate:
         monitor.linger = 0
         monitor.connect(addr)
         self._sock, self._monitor = sock, monitor
-        self._task = asyncio.ensure_future(self._keep_draining())
+        self._background.spawn(self._keep_draining(), "reading the connection monitor", cancel_on_stop=True)
 
     def gate_null_mechanism(self, ctx: zmq.Context, sock: zmq.Socket) -> None:
         """Without CURVE: run a ZAP handler that admits every NULL handshake under the cap."""
@@ -138,10 +140,8 @@ class ConnectionGate:
             await asyncio.sleep(DRAIN_INTERVAL_S)
             self._drain()
 
-    def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
+    async def stop(self) -> None:
+        await self._background.stop()
         if self._auth is not None:
             self._auth.stop()
             self._auth = None

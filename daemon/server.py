@@ -314,7 +314,7 @@ class Daemon:
         if self._sock is not None:
             self._sock.close(linger=2000)
         if self.gate is not None:
-            self.gate.close()
+            await self.gate.stop()
         if self.curve is not None:
             self.curve.close()
         if self._ctx is not None:
