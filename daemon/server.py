@@ -258,6 +258,8 @@ class Daemon:
         finally:
             watcher.cancel()
             maintainer.cancel()
+            # Owned until they end: a timer loop mid-check finishes cancelling before the drain.
+            await asyncio.gather(watcher, maintainer, return_exceptions=True)
         log.info("draining: %d requests in flight, %d records waiting to be written", len(self._requests),
                  self.swapper.pending_writes)
         self.dispatcher.serving = False
