@@ -297,8 +297,10 @@ class Swapper:
                     else:
                         slots.append(held)
                         sources[i] = held
+                # Every slot held before the first wait: while this swap_in waits for one copy,
+                # its swap_out may drop another key's write and free that slot.
+                slots.extend(entry.slot.retain() for _, entry in writing)
                 for i, entry in writing:
-                    slots.append(entry.slot.retain())
                     try:
                         await entry.copied
                         sources[i] = entry.slot

@@ -33,6 +33,7 @@ from kvswap.daemon import swapper as swapper_module
 from kvswap.daemon.deadline import Deadline
 from kvswap.daemon.movers import segment
 from kvswap.protocol import CacheLayout, Client, HostKVCache, Timeout
+from kvswap.protocol import messages as m
 
 #: One layer: regions k.0 and v.0, so a block is two rows.
 REGIONS = 2
@@ -345,3 +346,32 @@ def test_a_swap_in_of_writes_in_flight_writes_nothing_after_its_answer(
 
         _swap_in_case(d, c, cache, held, at, in_flight)
         assert (file_hits("kvswap_tier_ops_total", {"tier": "file", "op": "get", "result": "hit"}) or 0) == 0
+
+
+@pytest.mark.parametrize("copy_path", ["native"], indirect=True)
+def test_a_swap_in_waiting_on_one_write_in_flight_survives_another_being_dropped(
+        tmp_path: Path, cache: HostKVCache, copy_path: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """A swap_in of two keys whose swap_out is still gathering: it waits for the first key's
+    copy, and meanwhile the swap_out's deadline drops the second key's in-flight write and frees
+    its slot. The second key is a miss, the first loads; the swap_in must not touch the freed
+    slot (it raised 'retain of a slot nobody holds' and answered internal)."""
+    original = [cache.block_record(b) for b in SOURCE]
+    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0, read_threads=1) as d, \
+            Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        held = Held(d, copy_path, monkeypatch)
+        keys = [f"race-{i}" for i in SOURCE]
+        hold = held.arm(REGIONS * swapper_module.GATHER_CHUNK + 1)  # inside the second gather chunk
+        try:
+            out = c.send(m.SwapOut, {"block_ids": tuple(SOURCE), "keys": tuple(keys)}, timeout=1.0)
+            assert hold.reached.wait(10), "the gather never reached the second chunk"
+            # keys[0] is in the first chunk (copied, its 'copied' set only when the gather
+            # returns); keys[4] in the second, dropped when the deadline cuts the gather short.
+            swap_in = c.send(m.SwapIn, {"keys": (keys[0], keys[4]), "block_ids": (TARGET[0], TARGET[1])}, timeout=10)
+            with pytest.raises(Timeout):
+                c.wait(out, timeout=1.0)
+            result = c.wait(swap_in, timeout=10)
+        finally:
+            held.disarm()
+        assert result["status"] == ["loaded", "miss"], result
+        assert cache.block_record(TARGET[0]) == original[0]
