@@ -176,9 +176,19 @@ class Swapper:
             items = [(key, entry.slot) for key, entry in entries[start:stop]]
             return self.threads.write.submit(_write_chunk, tiers, items)
 
-        chunks, failure = await run(self.threads.copy, _gather_and_submit, registration,
-                                          [block_ids[i] for i in todo], [e.slot.view for _, e in entries],
-                                          _guard(registration, deadline), submit)
+        # The writes are owned before the copy starts: this request may be answered (at its
+        # deadline) before the gather is back on the loop, and a flush or drain that follows the
+        # answer must wait for the records copied before it.
+        gathered: asyncio.Future[list[tuple[int, int, Future]]] = loop.create_future()
+        task = self._writes.spawn(self._finish_writes(namespace, entries, gathered), "writes of a swap_out")
+        try:
+            chunks, failure = await run(self.threads.copy, _gather_and_submit, registration,
+                                        [block_ids[i] for i in todo], [e.slot.view for _, e in entries],
+                                        _guard(registration, deadline), submit)
+        except BaseException:
+            gathered.set_result([])  # never raises in practice (_gather_and_submit returns failures)
+            raise
+        gathered.set_result(chunks)
         # The engine's memory is no longer needed (the writes read staging): a release need
         # not wait for them.
         lease.release()
@@ -189,7 +199,6 @@ class Swapper:
             self._drop_inflight(namespace, key, entry)
         for _, entry in entries[:copied]:
             entry.copied.set_result(None)
-        task = self._writes.spawn(self._finish_writes(namespace, entries, chunks), "writes of a swap_out")
         if failure is not None:
             self._failed(registration, failure)
             raise failure
@@ -226,9 +235,10 @@ class Swapper:
         entry.slot.release()
 
     async def _finish_writes(self, namespace: str, entries: list[tuple[str, InflightWrite]],
-                             chunks: list[tuple[int, int, Future]]) -> list[str]:
-        """Wait for each chunk of writes; its records' in-flight entries go when it ends.
-        Returns the per-record outcomes of the records copied."""
+                             gathered: "asyncio.Future[list[tuple[int, int, Future]]]") -> list[str]:
+        """Wait for the gather's chunks of writes, then for each; its records' in-flight
+        entries go when it ends. Returns the per-record outcomes of the records copied."""
+        chunks = await gathered
 
         failures: Counter[tuple[str, str, str]] = Counter()
 

@@ -375,3 +375,48 @@ def test_a_swap_in_waiting_on_one_write_in_flight_survives_another_being_dropped
             held.disarm()
         assert result["status"] == ["loaded", "miss"], result
         assert cache.block_record(TARGET[0]) == original[0]
+
+
+@pytest.mark.parametrize("copy_path", ["native"], indirect=True)
+def test_a_flush_after_a_timed_out_swap_out_waits_for_the_records_it_copied(
+        tmp_path: Path, cache: HostKVCache, copy_path: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """The answer comes when the copy stops, which can be before the gather is back on the
+    loop: a flush sent right after that answer must still wait for the first chunk's writes
+    (it used to find no write task yet and answer at once, with the records unwritten). The
+    copy thread is held after submitting the first chunk until the flush has arrived."""
+    original = [cache.block_record(b) for b in SOURCE]
+    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0, read_threads=1) as d, \
+            Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        swapper = d.daemon.swapper
+        held = Held(d, copy_path, monkeypatch)
+        flush_arrived = threading.Event()
+        real_flush, real_submit = swapper.flush, swapper.threads.write.submit
+
+        async def flush() -> dict[str, Any]:
+            flush_arrived.set()
+            return await real_flush()
+
+        def submit(*args: Any, **kwargs: Any) -> Any:
+            future = real_submit(*args, **kwargs)
+            if args and args[0] is swapper_module._write_chunk:
+                flush_arrived.wait(10)  # on the copy thread: the gather returns after the flush came
+            return future
+
+        monkeypatch.setattr(swapper, "flush", flush)
+        monkeypatch.setattr(swapper.threads.write, "submit", submit)
+        keys = [f"flush-{i}" for i in SOURCE]
+        hold = held.arm(REGIONS * swapper_module.GATHER_CHUNK - 1)  # the first chunk's last row
+        try:
+            with pytest.raises(Timeout):
+                c.swap_out(SOURCE, keys, timeout=2.0)
+            assert hold.reached.is_set()
+            flushed = c.flush()
+            assert flushed == 1 and swapper.pending_writes == 0
+        finally:
+            flush_arrived.set()
+            held.disarm()
+        result = c.swap_in(keys, TARGET)
+        chunk = swapper_module.GATHER_CHUNK
+        assert result.status == ["loaded"] * chunk + ["miss"] * (BLOCKS - chunk)
+        assert [cache.block_record(b) for b in TARGET[:chunk]] == original[:chunk]
