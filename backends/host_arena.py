@@ -152,6 +152,8 @@ class HostArena:
         #: Slots with refs > 0; a retired arena unmaps when this reaches 0.
         self._held = 0
         self._retired = False
+        #: Set when the daemon stops: a fault-in under way ends after its current step.
+        self._growth_stopped = False
         self._faulting = False  # grow() is faulting in outside the lock: unmapping waits
         self._unmapped = False
         #: Called with the memory just before it is unmapped (tiers that registered it let go).
@@ -168,7 +170,7 @@ class HostArena:
         with self.lock:
             start = self._faulted
             stop = min(self.capacity, start + count)
-            if stop <= start or self._retired:
+            if stop <= start or self._retired or self._growth_stopped:
                 return 0
             self._faulting = True
         try:
@@ -182,6 +184,12 @@ class HostArena:
             if due:
                 self._unmap()
         return stop - start
+
+    def stop_growing(self) -> None:
+        """No more fault-in: the daemon is stopping, and faulting in gigabytes it will never use
+        would hold its exit (a background fault-in runs in 256 MiB steps; the current one ends)."""
+        with self.lock:
+            self._growth_stopped = True
 
     def grow_all(self) -> int:
         """Fault in every slot still untouched, ``GROW_BYTES`` at a time; returns how many.

@@ -138,7 +138,10 @@ class Staging:
             self._growing = False
 
     async def stop(self) -> None:
-        """Wait for the fault-in in progress (its thread touches the arena: not cancelled)."""
+        """End the fault-in after its current step and wait for it (its thread touches the
+        arena: not cancelled)."""
+        if self.arena is not None:
+            self.arena.stop_growing()
         await self._background.stop()
 
     def pin(self, mover: Mover) -> None:

@@ -644,3 +644,14 @@ def test_writes_in_flight_keep_their_slots_across_a_register_with_another_record
         cache.zero_blocks([5, 6])
         assert c.swap_in(["g1", "g2"], [5, 6]).loaded == 2
         assert [cache.block_record(5), cache.block_record(6)] == expected
+
+
+def test_a_stopping_daemon_stops_faulting_in_its_arena() -> None:
+    """At shutdown the background fault-in of the RAM share ends after its current step: on a
+    busy machine faulting in gigabytes no one will use held a SIGTERM'd daemon past its
+    supervisor's kill (test_load's daemon was killed with -9 after 20 s)."""
+    arena = HostArena(4096, staging_slots=2, cache_slots=1000)
+    assert arena.grow(10) == 10
+    arena.stop_growing()
+    assert arena.grow_all() == 0 and arena.grow(5) == 0
+    assert arena.faulted < arena.capacity  # what was not faulted in stays so
