@@ -289,6 +289,19 @@ def _swap_in_case(d: InProcessDaemon, c: Client, cache: HostKVCache, held: Held,
     check_answer_order(timed_out(attempt))
 
 
+def _persisted(c: Client) -> Callable[[list[str]], Callable[[], None]]:
+    """A ``prepare`` for :func:`_swap_in_case`: the records stored (persisted) under the keys."""
+    def stored(keys: list[str]) -> Callable[[], None]:
+        assert c.swap_out(SOURCE, keys, wait="persisted").stored == BLOCKS
+        return lambda: None
+    return stored
+
+
+def _file_hits(d: InProcessDaemon) -> float:
+    return d.daemon.metrics.registry.get_sample_value(
+        "kvswap_tier_ops_total", {"tier": "file", "op": "get", "result": "hit"}) or 0.0
+
+
 @pytest.mark.parametrize("at", range(ROWS))
 def test_a_swap_in_from_the_file_tier_writes_nothing_after_its_answer(
         tmp_path: Path, cache: HostKVCache, copy_path: str, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
@@ -296,13 +309,7 @@ def test_a_swap_in_from_the_file_tier_writes_nothing_after_its_answer(
     with InProcessDaemon(tmp_path / "s", host_tier_bytes=0, read_threads=1) as d, \
             Client(d.endpoint, timeout=10) as c:
         c.register(cache)
-        held = Held(d, copy_path, monkeypatch)
-
-        def stored(keys: list[str]) -> Callable[[], None]:
-            assert c.swap_out(SOURCE, keys, wait="persisted").stored == BLOCKS
-            return lambda: None
-
-        _swap_in_case(d, c, cache, held, at, stored)
+        _swap_in_case(d, c, cache, Held(d, copy_path, monkeypatch), at, _persisted(c))
 
 
 @pytest.mark.parametrize("at", range(ROWS))
@@ -312,16 +319,8 @@ def test_a_swap_in_of_ram_hits_writes_nothing_after_its_answer(
     with InProcessDaemon(tmp_path / "s", host_tier_bytes=1 << 22, read_threads=1) as d, \
             Client(d.endpoint, timeout=10) as c:
         c.register(cache)
-        held = Held(d, copy_path, monkeypatch)
-        file_hits = d.daemon.metrics.registry.get_sample_value
-
-        def stored(keys: list[str]) -> Callable[[], None]:
-            assert c.swap_out(SOURCE, keys, wait="persisted").stored == BLOCKS
-            return lambda: None
-
-        _swap_in_case(d, c, cache, held, at, stored)
-        # Every record came from RAM, none from disk: this was the RAM-hit path.
-        assert (file_hits("kvswap_tier_ops_total", {"tier": "file", "op": "get", "result": "hit"}) or 0) == 0
+        _swap_in_case(d, c, cache, Held(d, copy_path, monkeypatch), at, _persisted(c))
+        assert _file_hits(d) == 0  # every record came from RAM, none from disk: the RAM-hit path
 
 
 @pytest.mark.parametrize("at", range(ROWS))
@@ -332,7 +331,6 @@ def test_a_swap_in_of_writes_in_flight_writes_nothing_after_its_answer(
             Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         held = Held(d, copy_path, monkeypatch)
-        file_hits = d.daemon.metrics.registry.get_sample_value
 
         def in_flight(keys: list[str]) -> Callable[[], None]:
             gate = GatedWrites(d.daemon.file_backend.disk)
@@ -345,7 +343,7 @@ def test_a_swap_in_of_writes_in_flight_writes_nothing_after_its_answer(
             return open_gate
 
         _swap_in_case(d, c, cache, held, at, in_flight)
-        assert (file_hits("kvswap_tier_ops_total", {"tier": "file", "op": "get", "result": "hit"}) or 0) == 0
+        assert _file_hits(d) == 0
 
 
 @pytest.mark.parametrize("copy_path", ["native"], indirect=True)
