@@ -14,12 +14,28 @@ from kvswap.testing.daemon_process import DaemonProcess
 from kvswap.testing.polling import wait_until
 from kvswap.testing.skips import INSTALLED_BY_TEST_SETUP
 
-__all__ = ["INSTALLED_BY_TEST_SETUP", "DaemonProcess", "GatedWrites", "InProcessDaemon", "free_port", "shm_exists",
-           "wait_until"]
+__all__ = ["INSTALLED_BY_TEST_SETUP", "DaemonProcess", "GatedWrites", "InProcessDaemon", "free_port", "record_bytes_on_disk",
+           "shm_exists", "wait_until"]
 
 
 def shm_exists(name: str) -> bool:
     return os.path.exists(f"/dev/shm/{name}")
+
+
+def record_bytes_on_disk(root: Path | str) -> int:
+    """Bytes of the record files (published ``.kvr`` and in-progress ``.tmp``) under ``root``.
+
+    A daemon may evict or publish a file between the walk listing it and its ``stat``: such a
+    file is gone, so it counts as nothing rather than failing the walk."""
+    total = 0
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            if name.endswith((".kvr", ".tmp")):
+                try:
+                    total += os.stat(os.path.join(dirpath, name)).st_size
+                except FileNotFoundError:
+                    pass
+    return total
 
 
 class InProcessDaemon:

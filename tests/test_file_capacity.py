@@ -16,6 +16,8 @@ from kvswap.backends.file_index import RecordIndex
 from kvswap.backends.file_store import Capacity, FileBackend, FileStore, record_name
 from kvswap.protocol.errors import NoSpace
 
+from support import record_bytes_on_disk
+
 NAMESPACE = "ab" * 16
 RECORD = 1000
 FILE = 256 + RECORD  # small records carry a 256-byte header
@@ -33,11 +35,7 @@ def open_store(root, records_cap: int = 0, **kw) -> FileStore:
 
 
 def files_on_disk(store: FileStore) -> int:
-    total = 0
-    for dirpath, _, names in os.walk(store.dir):
-        total += sum(os.path.getsize(os.path.join(dirpath, n)) for n in names
-                     if n.endswith((".kvr", ".tmp")))
-    return total
+    return record_bytes_on_disk(store.dir)
 
 
 @pytest.mark.parametrize("limits, message", [

@@ -12,17 +12,10 @@ import pytest
 from kvswap.backends.file_store import FileStore
 from kvswap.protocol import CacheLayout, Client, HostKVCache
 
-from support import DaemonProcess, InProcessDaemon, free_port, wait_until
+from support import DaemonProcess, InProcessDaemon, free_port, record_bytes_on_disk, wait_until
 
 LAYOUT = CacheLayout("cap-test", num_layers=2, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=64)
 FILE_BYTES = 4096 + LAYOUT.record_bytes  # 16 KiB records carry a page-sized header
-
-
-def dir_bytes(root: Path) -> int:
-    total = 0
-    for dirpath, _, names in os.walk(root):
-        total += sum(os.path.getsize(os.path.join(dirpath, n)) for n in names if n.endswith((".kvr", ".tmp")))
-    return total
 
 
 def test_a_capped_store_stays_under_its_cap_and_keeps_recent_records(tmp_path: Path) -> None:
@@ -41,9 +34,9 @@ def test_a_capped_store_stays_under_its_cap_and_keeps_recent_records(tmp_path: P
                 batch = keys[start : start + 8]
                 out = c.swap_out(list(range(len(batch))), batch, wait="persisted")
                 assert out.status == ["stored"] * len(batch)
-                peak = max(peak, dir_bytes(store))
+                peak = max(peak, record_bytes_on_disk(store))
             assert peak <= cap + FILE_BYTES
-            assert dir_bytes(store) <= cap
+            assert record_bytes_on_disk(store) <= cap
             assert c.ping() < 5
             # The most recent records are all there; the oldest are gone.
             assert c.lookup(keys[-16:]) == 16
@@ -87,7 +80,7 @@ def test_three_daemons_share_one_directory(tmp_path: Path) -> None:
         for round_ in range(10):
             for i, c in enumerate(clients):
                 c.swap_out(list(range(8)), [f"r{round_}-d{i}-{k}" for k in range(8)], wait="persisted")
-        assert wait_until(lambda: dir_bytes(store) <= cap, timeout=15)
+        assert wait_until(lambda: record_bytes_on_disk(store) <= cap, timeout=15)
         evicting = [i for i, d in enumerate(daemons)
                     if d.metric("kvswap_evictions_total", tier="file", reason="capacity") > 0]
         assert evicting == [leader]
@@ -101,7 +94,7 @@ def test_three_daemons_share_one_directory(tmp_path: Path) -> None:
         for round_ in range(10):
             for i in survivors:
                 clients[i].swap_out(list(range(8)), [f"t{round_}-d{i}-{k}" for k in range(8)], wait="persisted")
-        assert wait_until(lambda: dir_bytes(store) <= cap, timeout=15)
+        assert wait_until(lambda: record_bytes_on_disk(store) <= cap, timeout=15)
         assert daemons[new_leader].metric("kvswap_evictions_total", tier="file", reason="capacity") > 0
         for i in survivors:
             clients[i].close()
@@ -200,7 +193,7 @@ def test_a_namespace_closed_during_its_scan_leaves_the_lock_to_its_next_store(tm
         for start in range(0, 32, 8):  # well past the cap
             keys = [f"again-{i}" for i in range(start, start + 8)]
             assert c.swap_out(list(range(8)), keys, wait="persisted").status == ["stored"] * 8
-            assert dir_bytes(store / LAYOUT.fingerprint()) <= cap
+            assert record_bytes_on_disk(store / LAYOUT.fingerprint()) <= cap
         file_tier = c.stats()["tiers"]["file"]
         assert file_tier["bytes"] <= cap and file_tier["evicted_capacity"] + file_tier["records"] == 32
 
@@ -240,6 +233,6 @@ def test_background_eviction_runs_on_the_maintenance_interval_not_the_remote_che
                 assert c.swap_out(list(range(len(keys))), keys, wait="persisted").status == ["stored"] * len(keys)
                 assert wait_until(lambda: file_tier()["records"] == 17, timeout=30), file_tier()
                 assert file_tier()["evicted_capacity"] == 3 * round_
-                assert dir_bytes(tmp_path / "store") == 17 * file_bytes
+                assert record_bytes_on_disk(tmp_path / "store") == 17 * file_bytes
     finally:
         assert daemon.stop() == 0
