@@ -12,6 +12,8 @@ import abc
 import enum
 from typing import TYPE_CHECKING, Any, Container, Iterable, Protocol, Sequence
 
+from .events import NO_EVENTS, RecordEvents
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -46,6 +48,8 @@ class Store(abc.ABC):
     #: Whether :meth:`hold` can find records: the tier keeps them in the daemon's host arena
     #: (the RAM tier). A swap_in asks such tiers first, with no I/O, and reads from the others.
     holds_records: bool = False
+    #: Where the store reports records arriving and leaving (KV events); see :meth:`watch`.
+    events: RecordEvents = NO_EVENTS
 
     @abc.abstractmethod
     def put(self, key: str, payload: memoryview) -> int:
@@ -100,6 +104,11 @@ class Store(abc.ABC):
         return sum(1 for key in keys if self.delete(key))
 
     # -- optional capabilities: no-op defaults, so the daemon never asks ``hasattr`` ----------
+
+    def watch(self, events: RecordEvents) -> None:
+        """Report to ``events`` from now on every record that becomes readable in this store or
+        leaves it (called once, when the namespace opens, before its scan)."""
+        self.events = events
 
     def put_slot(self, key: str, slot: HeldRecord) -> int:
         """Store the record in ``slot``, a staging slot the caller holds (swap_out's gathered

@@ -9,9 +9,20 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Iterable, Sequence
+from typing import Iterable, Protocol, Sequence
 
 from .chains import ChainOrder
+
+
+class IndexWatcher(Protocol):
+    """Told every change of which names are indexed, under the index's lock (so in order)."""
+
+    def entered(self, names: Sequence[str], key: str | None = None) -> None:
+        """``names`` are indexed now; ``key`` is the one name's key where the caller knows it."""
+
+    def left(self, names: Sequence[str]) -> None: ...
+
+    def emptied(self) -> None: ...
 
 
 class RecordIndex:
@@ -26,6 +37,11 @@ class RecordIndex:
         self._stuck: dict[str, int] = {}
         self._lock = threading.Lock()
         self._bytes = 0
+        self._watcher: IndexWatcher | None = None
+
+    def watch(self, watcher: IndexWatcher) -> None:
+        with self._lock:
+            self._watcher = watcher
 
     # -- membership ----------------------------------------------------------------------------
 
@@ -39,11 +55,14 @@ class RecordIndex:
     def bytes(self) -> int:
         return self._bytes
 
-    def add(self, name: str, size: int, stamp: int | None = None) -> bool:
+    def add(self, name: str, size: int, stamp: int | None = None, key: str | None = None) -> bool:
         """Record ``name`` as stored and just used (a write or a read), with ``stamp`` if given
-        (the mtime its file was given). Returns False when it is stranded: its predecessor is
-        known to be gone, so no lookup can reach it and the caller should drop it."""
+        (the mtime its file was given); ``key`` is for the watcher. Returns False when it is
+        stranded: its predecessor is known to be gone, so no lookup can reach it and the caller
+        should drop it."""
         with self._lock:
+            if self._watcher is not None and name not in self._sizes and name not in self._stuck:
+                self._watcher.entered((name,), key)
             self._set(name, size)
             self._order.add(name, stamp)
             return not self._order.is_stranded(name)
@@ -97,6 +116,8 @@ class RecordIndex:
                    if name not in self._sizes and name not in self._stuck]
             for name, size, _ in new:
                 self._set(name, size)
+            if self._watcher is not None and new:
+                self._watcher.entered([name for name, _, _ in new])
             return self._order.merge_older((name, mtime) for name, _, mtime in new)
 
     def replace_all(self, found: Iterable[tuple[str, int, int]]) -> None:
@@ -106,11 +127,15 @@ class RecordIndex:
         found = list(found)
         names = {name for name, _, _ in found}
         with self._lock:
-            for name in [n for n in self._sizes if n not in names]:
+            gone = [n for n in self._sizes if n not in names]
+            for name in gone:
                 self._bytes -= self._sizes.pop(name)
                 self._order.remove(name)
-            for name in [n for n in self._stuck if n not in names]:
+            stuck_gone = [n for n in self._stuck if n not in names]
+            for name in stuck_gone:
                 self._bytes -= self._stuck.pop(name)
+            if self._watcher is not None and (gone or stuck_gone):
+                self._watcher.left(gone + stuck_gone)
         self.merge_scanned(found)
 
     def remove(self, name: str) -> int | None:
@@ -122,6 +147,8 @@ class RecordIndex:
                 size = self._stuck.pop(name, None)
             if size is not None:
                 self._bytes -= size
+                if self._watcher is not None:
+                    self._watcher.left((name,))
             return size
 
     def clear(self) -> None:
@@ -130,6 +157,8 @@ class RecordIndex:
             self._order.clear()
             self._stuck.clear()
             self._bytes = 0
+            if self._watcher is not None:
+                self._watcher.emptied()
 
     # -- pins and eviction ------------------------------------------------------------------------
 
@@ -162,6 +191,8 @@ class RecordIndex:
             self._order.remove(name)
             size = self._sizes.pop(name)
             self._bytes -= size
+            if self._watcher is not None:
+                self._watcher.left((name,))
             return name, size
 
     def _pinned(self, name: str) -> bool:
@@ -170,6 +201,8 @@ class RecordIndex:
     def mark_stuck(self, name: str, size: int) -> None:
         with self._lock:
             if name not in self._stuck:
+                if self._watcher is not None and name not in self._sizes:
+                    self._watcher.entered((name,))  # taken as a victim, but its file is still there
                 self._stuck[name] = size
                 self._bytes += size
 

@@ -55,6 +55,7 @@ from kvswap.protocol.errors import Corrupt, IOFailure, NoSpace
 
 from . import record
 from .base import Backend, GetStatus, Store
+from .events import RecordEvents
 from .chains import chain_broken
 from .disk import DIRECT_IO_MODES, FSYNC_MODES, Disk, aligned_empty, make_private_dirs, try_flock
 from .file_index import RecordIndex
@@ -162,6 +163,8 @@ class FileStore(Store):
         self._closed = False
         self._lead_lock = threading.Lock()
         self._last_rescan = 0.0
+        #: record name -> key, kept only with KV events on (:meth:`watch`).
+        self._keys: dict[str, str] = {}
         self._prepare(description)
 
     # -- layout on disk ---------------------------------------------------------------------------
@@ -188,6 +191,47 @@ class FileStore(Store):
     def _tmp_path(self, name: str) -> str:
         return os.path.join(self.tmp_dir, f"{name}.{self.backend._writer_tag}.{secrets.token_hex(4)}{TMP_SUFFIX}")
 
+    # -- KV events: the index says which names come and go; events need their keys ---------------
+
+    def watch(self, events: RecordEvents) -> None:
+        super().watch(events)
+        if events.enabled:
+            self._keys = {}
+            self.index.watch(self)
+
+    def entered(self, names: Sequence[str], key: str | None = None) -> None:
+        """(the index's watcher, under its lock) Records now indexed: announced by key, where
+        it is known (a write, a hit; a scan learns keys from headers before it merges)."""
+        if key is not None:
+            self._keys[names[0]] = key
+        keys = [k for k in map(self._keys.get, names) if k is not None]
+        self.events.stored(self.tier, self.namespace, keys)
+
+    def left(self, names: Sequence[str]) -> None:
+        keys = [k for k in (self._keys.pop(name, None) for name in names) if k is not None]
+        self.events.removed(self.tier, self.namespace, keys)
+
+    def emptied(self) -> None:
+        self._keys.clear()
+        self.events.cleared(self.tier, self.namespace)
+
+    def _learn_keys(self, found: list[tuple[str, int, int]]) -> None:
+        """Read the key of each listed record the events do not know yet from its header (KV
+        events only: one small read per record the scan finds). A record whose header does not
+        read stays unnamed: it is never announced, and its removal is not either."""
+        if not self.events.enabled:
+            return
+        for name, _, _ in found:
+            if name in self._keys:
+                continue
+            try:
+                with open(self._path(name), "rb") as f:
+                    header = record.decode_header(f.read(record.HEADER_CORE_BYTES))
+            except (OSError, Corrupt):
+                continue
+            if record_name(header.key) == name and header.namespace == self.namespace_bytes:
+                self._keys[name] = header.key
+
     # -- Store ------------------------------------------------------------------------------------
 
     def put(self, key: str, payload: memoryview) -> int:
@@ -212,7 +256,7 @@ class FileStore(Store):
             self.index.release(name)
             self._drop_stranded()
             raise
-        if not self.index.add(name, size, stamp):
+        if not self.index.add(name, size, stamp, key):
             # Its predecessor was evicted while it was being written: nothing can reach it.
             self._discard(name, path)
             self._drop_stranded()
@@ -326,7 +370,7 @@ class FileStore(Store):
         # Not indexed: the start-up scan may not have reached it, or another daemon sharing
         # the directory wrote it. One stat settles it.
         if self.disk.exists(path):
-            self.index.add(name, self.file_bytes)
+            self.index.add(name, self.file_bytes, key=key)
             return True
         return False
 
@@ -454,7 +498,9 @@ class FileStore(Store):
         now = time.monotonic() if now is None else now
         interval = self.backend.rescan_interval_s
         if interval and now - self._last_rescan >= interval:
-            self.index.replace_all(self._list_records())
+            found = list(self._list_records())
+            self._learn_keys(found)
+            self.index.replace_all(found)
             self._last_rescan = now
         cap = self.capacity
         if cap.max_bytes and self.index.bytes > cap.high * cap.max_bytes:
@@ -487,6 +533,7 @@ class FileStore(Store):
         found = list(self._list_records(stop_if_closed=True))
         if self._closed:
             return len(found)
+        self._learn_keys(found)
         self.index.merge_scanned(found)
         self.scan_seconds = time.monotonic() - started
         self._last_rescan = time.monotonic()

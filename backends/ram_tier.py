@@ -36,6 +36,7 @@ from kvswap.common.units import round_up_to_page
 
 from .base import Backend, GetStatus, HeldRecord, Store
 from .chains import ChainOrder, chain_broken
+from .events import NO_EVENTS, RecordEvents
 from .host_arena import ArenaSlot, HostArena
 
 Entry = tuple[str, str]  # (namespace, key)
@@ -59,6 +60,8 @@ class RamTier:
         #: swap_out records refused per namespace because their predecessor was evicted.
         self.chain_refused: Counter[str] = Counter()
         self._stores: dict[str, RamStore] = {}
+        #: Where records arriving and leaving are reported (KV events), under the arena's lock.
+        self.events: RecordEvents = NO_EVENTS
         arena.keeper = self
 
     def open_store(self, namespace: str, counts: "HitCounts | None" = None) -> "RamStore":
@@ -101,6 +104,8 @@ class RamTier:
                 self._forget_locked(slot)
                 self._refused_locked(namespace)
                 raise chain_broken(key, "host")
+            if old is None:
+                self.events.stored("host", namespace, (key,))
 
     def find(self, namespace: str, key: str) -> ArenaSlot | None:
         """The slot holding ``key``, held once more for the caller (release it), or None."""
@@ -136,7 +141,8 @@ class RamTier:
         with self._lock:
             mine = [slot for (ns, _), slot in self._index.items() if ns == namespace]
             for slot in mine:
-                self._forget_locked(slot)
+                self._forget_locked(slot, announce=False)
+            self.events.cleared("host", namespace)
             return len(mine)
 
     # -- the arena's calls (its keeper), under the lock ----------------------------------------------
@@ -182,13 +188,16 @@ class RamTier:
             self._forget_locked(self._index[entry])
             self.evicted[entry[0]] += 1
 
-    def _forget_locked(self, slot: ArenaSlot, keep_order: bool = False) -> None:
+    def _forget_locked(self, slot: ArenaSlot, keep_order: bool = False, announce: bool = True) -> None:
         """The slot no longer holds a record (nobody holding it, it is free). With
-        ``keep_order`` the record lives on in another slot (its links and stamp stay)."""
+        ``keep_order`` the record lives on in another slot (its links and stamp stay); without
+        ``announce`` the caller reports the removal itself (a clear)."""
         entry: Entry = slot.kept  # type: ignore[assignment]
         del self._index[entry]
         if not keep_order:
             self._order.remove(entry)
+            if announce:
+                self.events.removed("host", entry[0], (entry[1],))
         self.records[entry[0]] -= 1
         self.arena.unkeep_locked(slot)
 
@@ -231,6 +240,9 @@ class RamStore(Store):
         self.namespace = namespace
         self.record_bytes = ram.arena.record_bytes
         self.counts = counts
+
+    def watch(self, events: RecordEvents) -> None:
+        self.events = self.ram.events = events  # the tier reports, under the arena's lock
 
     @property
     def hits(self) -> int:

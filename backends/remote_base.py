@@ -276,17 +276,27 @@ class RemoteStoreBase(GatedHealth, Store):
         out.update(healthy=self.healthy, failures=self.failures, reconnects=self.reconnects, corrupt=self.corrupt)
         return out
 
+    # The events are told under the lock of what this process has seen, so they come in the
+    # order it saw them. The remote store's own evictions and other nodes' deletes are not seen.
+
     def _remember(self, keys) -> None:
         with self._seen_lock:
+            if self.events.enabled:
+                keys = [key for key in keys if key not in self._seen]
+                self.events.stored(self.tier, self.namespace, keys)
             self._seen.update(keys)
 
     def _forget(self, keys) -> None:
         with self._seen_lock:
+            if self.events.enabled:
+                keys = [key for key in keys if key in self._seen]
+                self.events.removed(self.tier, self.namespace, keys)
             self._seen.difference_update(keys)
 
     def _forget_all(self) -> None:
         with self._seen_lock:
             self._seen.clear()
+            self.events.cleared(self.tier, self.namespace)
 
     def _drop_corrupt(self, key: str, exc: Corrupt) -> None:
         """Count and remove a record that failed verification."""

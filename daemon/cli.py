@@ -197,6 +197,17 @@ def _config_error(ctx: click.Context, exc: ValueError, effective: dict[str, Any]
               help="text: human-readable lines; json: one object per line (ts, level, logger, msg).")
 @click.option("--metrics-host", default=_DEFAULTS.metrics_host, show_default=False,
               help="Address the metrics endpoint binds to. [default: as --host]")
+@click.option("--kv-events-endpoint", default=_DEFAULTS.kv_events_endpoint, show_default=False,
+              help="ZMQ PUB address to publish KV events on, in vLLM's format: what each tier stores and removes "
+                   "(loopback or ipc:// only; empty = off).")
+@click.option("--kv-events-replay-endpoint", default=_DEFAULTS.kv_events_replay_endpoint, show_default=False,
+              help="ZMQ ROUTER address answering KV-event replay requests from the buffer (empty = no replay).")
+@click.option("--kv-events-topic", default=_DEFAULTS.kv_events_topic, show_default=False,
+              help="Topic frame of every KV-events message. [default: empty, as vLLM's]")
+@click.option("--kv-events-buffer-bytes", type=BYTES, default=_DEFAULTS.kv_events_buffer_bytes,
+              help="Bytes of past KV-event batches kept for replay.")
+@click.option("--kv-events-encoding", type=click.Choice(["map", "array"]), default=_DEFAULTS.kv_events_encoding,
+              help="map: tagged maps, as vLLM 0.32 decodes; array: the tagged arrays of earlier vLLM releases.")
 @click.option("--config", type=click.Path(dir_okay=False), default=None, is_eager=True, callback=load_config_option,
               help="TOML file of settings named like the flags; flags and KVSWAP_* variables override it.")
 @click.option("--print-config", is_flag=True, default=False,

@@ -148,6 +148,17 @@ class Config:
     #: Address the metrics endpoint binds to ("": the same as ``host``). Lets a sidecar keep
     #: the control socket on loopback while probes and Prometheus reach the metrics port.
     metrics_host: str = ""
+    #: KV events (daemon/kv_events.py): the ZMQ PUB address kvswapd binds and publishes what
+    #: each tier stores and removes on, in vLLM's format ("": off). Loopback or ipc:// only.
+    kv_events_endpoint: str = ""
+    #: The ROUTER address answering replay requests from the buffer ("": no replay).
+    kv_events_replay_endpoint: str = ""
+    #: The first frame of every events message (subscribers filter on it).
+    kv_events_topic: str = ""
+    #: Bytes of past event batches kept for replay; the oldest go first.
+    kv_events_buffer_bytes: int = 64 * MiB
+    #: map: events as tagged maps (vLLM 0.32's decoder); array: tagged arrays (earlier vLLM).
+    kv_events_encoding: str = "map"
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first setting that cannot work."""
@@ -197,6 +208,27 @@ class Config:
                              "secret key and the directory of authorized client keys")
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
+        self._validate_kv_events()
+
+    def _validate_kv_events(self) -> None:
+        from kvswap.protocol.kv_events import ENCODINGS
+
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ConfigError("kv_events_replay_endpoint needs kv_events_endpoint (the stream it replays)",
+                              "kv_events_replay_endpoint", "kv_events_endpoint")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            problem = _events_endpoint_problem(getattr(self, name))
+            if problem:
+                raise ConfigError(f"{name} {getattr(self, name)!r} {problem}", name)
+        if self.kv_events_endpoint and self.kv_events_endpoint == self.kv_events_replay_endpoint:
+            raise ConfigError("kv_events_endpoint and kv_events_replay_endpoint need two different addresses",
+                              "kv_events_endpoint", "kv_events_replay_endpoint")
+        if self.kv_events_encoding not in ENCODINGS:
+            raise ValueError(f"kv_events_encoding must be one of {', '.join(ENCODINGS)}, got {self.kv_events_encoding!r}")
+        if self.kv_events_buffer_bytes < 0:
+            raise ValueError("kv_events_buffer_bytes must be >= 0")
+        if len(self.kv_events_topic.encode()) > 256:
+            raise ValueError("kv_events_topic must be at most 256 bytes")
 
     @property
     def metrics_bind_host(self) -> str:
@@ -219,6 +251,30 @@ class Config:
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _events_endpoint_problem(endpoint: str) -> str:
+    """Why kvswapd will not bind ``endpoint`` for KV events ("" if it will). Events name what
+    the engine stored, token ids included (a prompt's content), and their sockets have no CURVE
+    yet, so they stay on this host: loopback TCP, ipc:// or inproc://. Routers elsewhere read
+    them through the engine's own stream (the vLLM connector forwards them) or a relay."""
+    if not endpoint or endpoint.startswith(("ipc://", "inproc://")):
+        return ""
+    if not endpoint.startswith("tcp://"):
+        return "must be tcp://HOST:PORT (loopback), ipc://PATH or inproc://NAME"
+    host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        return "needs a port: tcp://127.0.0.1:PORT"
+    host = host.strip("[]")
+    if host != "localhost":
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            return ("is not a loopback address: KV events carry token ids and their sockets have no CURVE, so "
+                    "bind them to 127.0.0.1, ::1 or ipc:// (see docs/configuration.md, KV events)")
+    return ""
 
 
 def _bind_address_problem(host: str, may_be_empty: bool = False) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
                                generate_latest)
@@ -85,6 +85,18 @@ class Metrics:
     def watch_stores(self, stores: Callable[[], list]) -> None:
         """Export the storage tiers' own counters (eviction, scan, capacity) at scrape time."""
         self.registry.register(StoreCollector(stores))
+
+    def watch_kv_events(self, ledger: Any, publisher: Any) -> None:
+        """KV events' counts, read at scrape time (daemon/kv_events.py)."""
+        r = self.registry
+        for name, help_text, read in (
+                ("kvswap_kv_event_batches", "KV-event batches published (the next batch's sequence number).",
+                 lambda: publisher.published),
+                ("kvswap_kv_events", "KV events published.", lambda: ledger.events),
+                ("kvswap_kv_event_resets", "Times the event queue overflowed and a reset with the whole state "
+                 "was published instead (should stay 0).", lambda: ledger.resets),
+                ("kvswap_kv_event_replays", "Replay requests answered.", lambda: publisher.replays)):
+            Gauge(name, help_text, registry=r).set_function(read)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from kvswap.backends.base import Backend, Store
+from kvswap.backends.events import NO_EVENTS, RecordEvents
 from kvswap.protocol.errors import NotRegistered, RegistrationHeld
 
 from .background import Background
@@ -55,8 +56,10 @@ class Registrar:
     the register thread (``threads.register``), one registration at a time."""
 
     def __init__(self, backends: dict[str, Backend], locations: Locations, staging: Staging, metrics: Metrics,
-                 threads: DataThreads, on_open_store: Callable[[Store], None] = lambda store: None) -> None:
+                 threads: DataThreads, on_open_store: Callable[[Store], None] = lambda store: None,
+                 events: RecordEvents = NO_EVENTS) -> None:
         self.backends = backends
+        self.events = events
         self.locations = locations
         self.staging = staging
         self.metrics = metrics
@@ -157,6 +160,10 @@ class Registrar:
                   for tier, backend in self.backends.items()}
         if cached is not None and all(stores[tier] is old.get(tier) for tier in stores):
             return cached
+        self.events.describe(registration.namespace, registration.layout.block_size)
+        for tier, store in stores.items():
+            if store is not old.get(tier):
+                store.watch(self.events)  # before its scan (on_open_store) announces what it finds
         return NamespaceTiers(stores, self.locations, self.metrics)
 
     async def unregister(self, caller: Caller) -> bool:

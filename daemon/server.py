@@ -33,6 +33,7 @@ import zmq
 import zmq.asyncio
 
 from kvswap import __version__
+from kvswap.backends.events import NO_EVENTS
 from kvswap.backends.file_store import FileBackend
 from kvswap.protocol.limits import MAX_MESSAGE_BYTES
 
@@ -42,6 +43,7 @@ from .config import Config
 from .connections import ConnectionGate
 from .curve import CurveError, CurveServer
 from .dispatch import Dispatcher
+from .kv_events import EventLedger, EventPublisher, describe_for_stats
 from .metrics import HealthServer, Metrics
 from .ops import Ops
 from .signals import SignalCapture
@@ -92,7 +94,12 @@ class Daemon:
         file_tier = self.backends["file"]
         assert isinstance(file_tier, FileBackend)
         self.file_backend: FileBackend = file_tier
-        self.swapper = Swapper(config, self.backends, config.locations(), self.metrics)
+        #: KV events (kv_events.py): the ledger stores report to, and its publisher (startup).
+        self.kv_events = EventLedger() if config.kv_events_endpoint else None
+        self.kv_publisher: EventPublisher | None = None
+        self._events_ctx: zmq.Context | None = None
+        self.swapper = Swapper(config, self.backends, config.locations(), self.metrics,
+                               events=self.kv_events or NO_EVENTS)
         self.health = HealthServer(self.metrics, ready=self.ready)
         #: Tiers /readyz last found unable to serve (logged when it changes).
         self._unready: list[str] = []
@@ -135,7 +142,8 @@ class Daemon:
                 "requests_in_flight": len(self.dispatcher.requests), "storage_dir": self.file_backend.root,
                 "fsync": self.config.fsync, "metrics_port": self.health.port,
                 "metrics_host": self.config.metrics_bind_host,
-                "open_fds": fds.open_count(), "fd_limit": fds.soft_limit()}
+                "open_fds": fds.open_count(), "fd_limit": fds.soft_limit(),
+                "kv_events": describe_for_stats(self.kv_events, self.kv_publisher)}
 
     def ready(self) -> bool:
         """/readyz: serving, and every store and retrieve location can serve, unless
@@ -198,6 +206,7 @@ class Daemon:
         self._sock = self.dispatcher.sock = sock
         endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.control_port = int(endpoint.rsplit(":", 1)[1])
+        self._start_kv_events()
         try:
             await self.health.start(cfg.metrics_bind_host, cfg.metrics_port)
         except OSError as exc:
@@ -293,6 +302,23 @@ class Daemon:
             return False
         return not self._requests
 
+    def _start_kv_events(self) -> None:
+        cfg = self.config
+        if self.kv_events is None:
+            return
+        # A context of its own, not the loop's asyncio one: only the publisher's thread uses it.
+        self._events_ctx = zmq.Context()
+        try:
+            self.kv_publisher = EventPublisher(self.kv_events, self._events_ctx, cfg.kv_events_endpoint,
+                                               cfg.kv_events_replay_endpoint, cfg.kv_events_topic,
+                                               cfg.kv_events_buffer_bytes, cfg.kv_events_encoding)
+        except zmq.ZMQError as exc:
+            reason = "already in use" if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc)
+            raise StartupError(f"cannot bind the KV events endpoints {cfg.kv_events_endpoint} "
+                               f"{cfg.kv_events_replay_endpoint}: {reason}") from None
+        self.kv_publisher.start()
+        self.metrics.watch_kv_events(self.kv_events, self.kv_publisher)
+
     async def shutdown(self) -> None:
         self.dispatcher.serving = False
         unfinished = list(self._requests)
@@ -312,6 +338,11 @@ class Daemon:
         if not self.force_exit:
             # Waits for the copy and write threads; a forced exit does not (see run()).
             await self.swapper.stop()
+        if self.kv_publisher is not None:
+            # After the writes: what the drain stored is published before the sockets close.
+            await asyncio.get_running_loop().run_in_executor(None, self.kv_publisher.stop)
+        if self._events_ctx is not None:
+            self._events_ctx.term()
         await self.health.close()
         if self._sock is not None:
             self._sock.close(linger=2000)

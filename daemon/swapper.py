@@ -32,6 +32,8 @@ from concurrent.futures import Future
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 from kvswap.backends.base import Backend, GetStatus, HeldRecord, Store
+from kvswap.backends.events import NO_EVENTS, RecordEvents
+from kvswap.protocol.kv_events import BlockMeta
 from kvswap.protocol.errors import KvswapError, NotRegistered, Timeout
 from kvswap.protocol.results import SwapInResult, SwapOutResult
 
@@ -57,8 +59,11 @@ class Swapper:
     leases on it), :class:`~.staging.Staging` (slots) and :class:`~.upkeep.Upkeep` (background
     work); the swapper itself runs swap_out, swap_in, lookup, delete, clear and flush."""
 
-    def __init__(self, config: Config, backends: dict[str, Backend], locations: Locations, metrics: Metrics) -> None:
+    def __init__(self, config: Config, backends: dict[str, Backend], locations: Locations, metrics: Metrics,
+                 events: RecordEvents = NO_EVENTS) -> None:
         self.config = config
+        #: Where stores report what they hold (KV events), and where swap_out names its keys.
+        self.events = events
         self.backends = backends
         self.locations = locations
         self.metrics = metrics
@@ -68,7 +73,7 @@ class Swapper:
                                self.threads)
         self.upkeep = Upkeep(backends.values(), self.threads, config.remote_check_interval_s)
         self.registrar = Registrar(backends, locations, self.staging, metrics, self.threads,
-                                   on_open_store=self.upkeep.start_scan)
+                                   on_open_store=self.upkeep.start_scan, events=events)
         self._inflight = InflightTable()
         #: The writes of each swap_out (``flush`` waits for them); never cancelled.
         self._writes = Background("writes")
@@ -138,18 +143,21 @@ class Swapper:
     # -- swap_out -------------------------------------------------------------------------------
 
     async def swap_out(self, block_ids: Sequence[int], keys: Sequence[str], wait: str, deadline: Deadline,
-                       partial: bool = False, caller: Caller = ANONYMOUS) -> SwapOutResult:
+                       partial: bool = False, caller: Caller = ANONYMOUS,
+                       metas: Sequence[BlockMeta | None] = ()) -> SwapOutResult:
         lease = self.registrar.lease(caller)
         # Shielded with its lease: a caller that gives up must not let the registration be
         # unmapped while a copy thread still reads from it.
         return await asyncio.shield(self._holding(lease, self._swap_out(lease, block_ids, keys, wait, deadline,
-                                                                         partial)))
+                                                                         partial, metas)))
 
     async def _swap_out(self, lease: Lease, block_ids: Sequence[int], keys: Sequence[str], wait: str,
-                        deadline: Deadline, partial: bool) -> SwapOutResult:
+                        deadline: Deadline, partial: bool, metas: Sequence[BlockMeta | None]) -> SwapOutResult:
         registration, tiers = lease.registration, lease.tiers
         registration.check_blocks(block_ids)
         namespace = registration.namespace
+        if self.events.enabled:
+            self.events.expect(namespace, keys, metas)
         status: list[str] = ["exists"] * len(keys)
         todo: list[int] = []
         seen: set[str] = set()

@@ -40,6 +40,7 @@ import zmq.asyncio
 
 from . import messages as m
 from .errors import KvswapError, Timeout, Unavailable
+from .kv_events import BlockMeta
 from .limits import DEFAULT_TIMEOUT_MS
 from .results import SwapInResult, SwapOutResult
 
@@ -69,10 +70,13 @@ def _ops_register(cache: Any) -> Call:
     return m.Register, body, dict
 
 
-def _ops_swap_out(block_ids: Sequence[int], keys: Sequence[str], wait: str, partial: bool = False) -> Call:
+def _ops_swap_out(block_ids: Sequence[int], keys: Sequence[str], wait: str, partial: bool = False,
+                  block_meta: Sequence[BlockMeta | None] | None = None) -> Call:
     body: dict[str, Any] = {"block_ids": tuple(int(b) for b in block_ids), "keys": tuple(keys), "wait": wait}
     if partial:
         body["partial"] = True
+    if block_meta:
+        body["block_meta"] = tuple(None if meta is None else meta.to_wire() for meta in block_meta)
     return m.SwapOut, body, SwapOutResult.from_wire
 
 
@@ -278,8 +282,11 @@ class Client(_Base):
                 self.unregister()
 
     def swap_out(self, block_ids: Sequence[int], keys: Sequence[str], wait: str = "copied",
-                 timeout: float | None = None, partial: bool = False) -> SwapOutResult:
-        return self._run(_ops_swap_out(block_ids, keys, wait, partial), timeout)
+                 timeout: float | None = None, partial: bool = False,
+                 block_meta: Sequence[BlockMeta | None] | None = None) -> SwapOutResult:
+        """``block_meta``: per key, what KV events should name the record by (see
+        protocol/kv_events.py); optional."""
+        return self._run(_ops_swap_out(block_ids, keys, wait, partial, block_meta), timeout)
 
     def swap_in(self, keys: Sequence[str], block_ids: Sequence[int], timeout: float | None = None) -> SwapInResult:
         return self._run(_ops_swap_in(keys, block_ids), timeout)
@@ -402,8 +409,9 @@ class AsyncClient(_Base):
                 await self.unregister()
 
     async def swap_out(self, block_ids: Sequence[int], keys: Sequence[str], wait: str = "copied",
-                       timeout: float | None = None, partial: bool = False) -> SwapOutResult:
-        return await self._run(_ops_swap_out(block_ids, keys, wait, partial), timeout)
+                       timeout: float | None = None, partial: bool = False,
+                       block_meta: Sequence[BlockMeta | None] | None = None) -> SwapOutResult:
+        return await self._run(_ops_swap_out(block_ids, keys, wait, partial, block_meta), timeout)
 
     async def swap_in(self, keys: Sequence[str], block_ids: Sequence[int],
                       timeout: float | None = None) -> SwapInResult:

@@ -17,6 +17,7 @@ from typing import Any, Callable, ClassVar, Final
 import msgpack
 
 from .errors import BadRequest, KvswapError, TooLarge, UnknownOp, UnsupportedVersion, from_wire, to_wire
+from .kv_events import BlockMeta, metas_from_wire
 from .limits import (
     MAX_BLOCK_ID,
     MAX_ECHO_CHARS,
@@ -177,22 +178,44 @@ class Unregister(Request):
     pid: int = 0
 
 
+def _raw_list(name: str, value: Any) -> tuple[Any, ...]:
+    if not isinstance(value, list):
+        raise BadRequest(f"{name} must be a list", field=name)
+    check_count(name, len(value))
+    return tuple(value)
+
+
 @dataclass(frozen=True)
 class SwapOut(Request):
     op = "swap_out"
-    checks = {"block_ids": _block_ids, "keys": _keys, "wait": _wait, "partial": _bool, **_OWNER_CHECKS}
-    omit_default = frozenset({"partial"}) | _OWNER_FIELDS
+    checks = {"block_ids": _block_ids, "keys": _keys, "wait": _wait, "partial": _bool, "block_meta": _raw_list,
+              **_OWNER_CHECKS}
+    omit_default = frozenset({"partial", "block_meta"}) | _OWNER_FIELDS
     block_ids: tuple[int, ...] = ()
     keys: tuple[str, ...] = ()
     wait: str = "copied"
     #: When staging is short, store what fits and report the rest "skipped" instead of
     #: refusing the whole request with ``busy``.
     partial: bool = False
+    #: For KV events (protocol/kv_events.py): one entry per key, the engine's block hashes and
+    #: tokens of that record (a map), or nil; empty: none sent. Wire maps in, checked by
+    #: :meth:`metas`.
+    block_meta: tuple[Any, ...] = ()
     token: str = ""
     pid: int = 0
 
     def validate(self) -> None:
         check_pair(self.keys, self.block_ids)
+        self.metas()
+
+    def metas(self) -> tuple[BlockMeta | None, ...]:
+        """The checked ``block_meta`` (empty when none was sent), parsed once; raises
+        ``BadRequest``."""
+        parsed = self.__dict__.get("_metas")
+        if parsed is None:
+            parsed = metas_from_wire(list(self.block_meta), self.keys) if self.block_meta else ()
+            object.__setattr__(self, "_metas", parsed)  # a cache on a frozen message, not a field
+        return parsed
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,386 @@
+"""KV events: what every tier holds, told as it changes, for cache-aware routers.
+
+Two parts:
+
+- :class:`EventLedger` is what the stores report to (:class:`~kvswap.backends.events.RecordEvents`).
+  It keeps which tiers hold each key, and what the engine said about the key in its swap_out
+  (:class:`~kvswap.protocol.kv_events.BlockMeta`: its block hashes, parent, tokens), turns each
+  change into a vLLM event and queues it. Everything happens under one lock, so the queue is in
+  the order the tiers changed.
+- :class:`EventPublisher` is a thread that takes the queue in batches and sends them on a PUB
+  socket, keeps the last ``buffer_bytes`` of batches, and answers replay requests on a ROUTER.
+
+Rules (docs/protocol.md, "KV events"):
+
+- a ``BlockStored`` when a record becomes readable in a tier, a ``BlockRemoved`` when it leaves
+  one (eviction, delete, corrupt, found gone by a rescan); ``clear`` of a tier is one
+  ``BlockRemoved`` of that tier's blocks of the namespace, or ``AllBlocksCleared`` when they were
+  all the daemon held;
+- a block is named by the engine's hashes when its swap_out sent them, else by its key's bytes;
+  its parent is the hash the engine sent, else the block before it in the swap_out's key order;
+- the first batch of a daemon's life is ``AllBlocksCleared`` (a new process holds nothing in RAM
+  and knows nothing of what a predecessor announced), and the start-up scan then announces every
+  record it indexes. The same reset-and-announce follows when the queue overflows
+  (``MAX_QUEUED_EVENTS``: a publisher that cannot keep up never holds unbounded memory, and a
+  subscriber ends up with the current state, not a state with holes).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any, Final, Iterable, Sequence
+
+import zmq
+
+from kvswap.backends.events import RecordEvents
+from kvswap.protocol.kv_events import (
+    END_SEQ,
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    AllBlocksCleared,
+    BlockHash,
+    BlockMeta,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    encode_batch,
+    seq_bytes,
+)
+
+log = logging.getLogger(__name__)
+
+#: Events queued for the publisher before the ledger gives up on them and resets instead.
+MAX_QUEUED_EVENTS: Final = 100_000
+#: Events in one published batch.
+MAX_BATCH_EVENTS: Final = 512
+#: Hashes in one BlockRemoved of a cleared tier.
+MAX_HASHES_PER_REMOVAL: Final = 1024
+#: Keys a swap_out described whose records have not landed (or never will: a failed write):
+#: their metadata is kept for this many of the newest, then forgotten.
+MAX_PENDING_METAS: Final = 1 << 16
+#: How often the publisher looks for replay requests while no events come.
+REPLAY_POLL_S: Final = 0.05
+#: Messages a replay may queue for one subscriber (ZMQ drops the rest; it asks again).
+REPLAY_HWM: Final = 10_000
+
+#: tier -> (medium, locality, ownership) in events.
+TIER_MEDIA: Final = {
+    "host": (MEDIUM_CPU, "LOCAL", "kvswap:host"),
+    "file": (MEDIUM_STORAGE, "LOCAL", "kvswap:file"),
+    "remote": (MEDIUM_STORAGE, "REMOTE", "kvswap:remote"),
+}
+_TIER_BIT: Final = {"host": 1, "file": 2, "remote": 4}
+
+
+@dataclass(frozen=True)
+class _Name:
+    """How events name one key: hashes, parent, tokens (from the engine, or the key alone)."""
+
+    hashes: tuple[BlockHash, ...]
+    parent: BlockHash | None = None
+    tokens: tuple[int, ...] = ()
+    block_size: int | None = None
+    lora_name: str | None = None
+
+
+class EventLedger(RecordEvents):
+    """Which tiers hold each key, and the events their changes make (see the module doc)."""
+
+    enabled = True
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        #: namespace -> key -> bit set of the tiers holding it.
+        self._held: dict[str, dict[str, int]] = {}
+        #: (namespace, key) -> how events name it, for keys held or about to be.
+        self._names: dict[tuple[str, str], _Name] = {}
+        self._pending: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._block_size: dict[str, int] = {}
+        self._queue: deque[Event] = deque()
+        #: After a reset: the held records as they were then, still to be announced.
+        self._snapshot: deque[tuple[str, str, int, _Name | None]] = deque()
+        #: Set at start and on overflow: the next batch is a reset and the whole state.
+        self._reset = True
+        self.resets = 0
+        self.events = 0
+
+    # -- what the swapper and the registrar tell it ------------------------------------------------
+
+    def describe(self, namespace: str, block_size: int) -> None:
+        """The engine's block size in tokens, for blocks it sent no metadata for."""
+        with self._cond:
+            self._block_size[namespace] = block_size
+
+    def expect(self, namespace: str, keys: Sequence[str], metas: Sequence[BlockMeta | None]) -> None:
+        """A swap_out of ``keys`` (one chain, head first) is about to write: remember how to name
+        each record when it lands. ``metas`` is empty or one entry per key."""
+        with self._cond:
+            previous: BlockHash | None = None
+            for i, key in enumerate(keys):
+                meta = metas[i] if metas else None
+                if meta is not None:
+                    parent = meta.parent_block_hash if meta.parent_block_hash is not None else previous
+                    name = _Name(meta.block_hashes, parent, meta.token_ids, meta.block_size or None, meta.lora_name)
+                else:
+                    name = _Name((key.encode(),), previous)
+                previous = name.hashes[-1]
+                if i == 0 and meta is None:
+                    continue  # the key alone, no parent: the default name, nothing to keep
+                entry = (namespace, key)
+                held = self._held.get(namespace, {}).get(key)
+                if held:
+                    continue  # already announced under the name it has; names do not change
+                self._names[entry] = name
+                self._pending[entry] = None
+                self._pending.move_to_end(entry)
+            while len(self._pending) > MAX_PENDING_METAS:
+                entry, _ = self._pending.popitem(last=False)
+                if not self._held.get(entry[0], {}).get(entry[1]):
+                    self._names.pop(entry, None)
+
+    # -- RecordEvents: what the stores report --------------------------------------------------------
+
+    def stored(self, tier: str, namespace: str, keys: Sequence[str]) -> None:
+        bit = _TIER_BIT[tier]
+        with self._cond:
+            held = self._held.setdefault(namespace, {})
+            for key in keys:
+                mask = held.get(key, 0)
+                if mask & bit:
+                    continue
+                held[key] = mask | bit
+                self._pending.pop((namespace, key), None)
+                self._push(self._stored_event(tier, namespace, key))
+
+    def removed(self, tier: str, namespace: str, keys: Sequence[str]) -> None:
+        bit = _TIER_BIT[tier]
+        with self._cond:
+            held = self._held.get(namespace)
+            if not held:
+                return
+            hashes: list[BlockHash] = []
+            for key in keys:
+                mask = held.get(key, 0)
+                if not mask & bit:
+                    continue
+                hashes.extend(self._name(namespace, key).hashes)
+                self._drop_bit(namespace, held, key, mask & ~bit)
+            if hashes:
+                self._push_removed(tier, hashes)
+
+    def cleared(self, tier: str, namespace: str) -> None:
+        bit = _TIER_BIT[tier]
+        with self._cond:
+            held = self._held.get(namespace, {})
+            hashes: list[BlockHash] = []
+            for key, mask in list(held.items()):
+                if mask & bit:
+                    hashes.extend(self._name(namespace, key).hashes)
+                    self._drop_bit(namespace, held, key, mask & ~bit)
+            if not hashes:
+                return
+            if not any(self._held.values()):
+                self._push(AllBlocksCleared())  # that tier's blocks were all this daemon held
+            else:
+                self._push_removed(tier, hashes)
+
+    # -- reading it -----------------------------------------------------------------------------------
+
+    def holders(self, namespace: str) -> dict[str, list[str]]:
+        """tier -> the keys of ``namespace`` it holds, as the events told them (tests, stats)."""
+        with self._cond:
+            out: dict[str, list[str]] = {tier: [] for tier in _TIER_BIT}
+            for key, mask in self._held.get(namespace, {}).items():
+                for tier, bit in _TIER_BIT.items():
+                    if mask & bit:
+                        out[tier].append(key)
+            return out
+
+    def take(self, timeout: float) -> list[Event]:
+        """The next batch to publish (up to MAX_BATCH_EVENTS events), waiting up to ``timeout``;
+        [] if none came. After a reset it is the whole state: a clear, then every held record
+        (copied at the reset, made into events batch by batch), then what changed since."""
+        with self._cond:
+            if not self._queue and not self._reset and not self._snapshot:
+                self._cond.wait(timeout)
+            if self._reset:
+                self._reset = False
+                self._queue.clear()
+                self._snapshot = deque((namespace, key, mask, self._names.get((namespace, key)))
+                                       for namespace, held in self._held.items() for key, mask in held.items())
+                batch: list[Event] = [AllBlocksCleared()]
+            else:
+                batch = []
+            while self._snapshot and len(batch) < MAX_BATCH_EVENTS:
+                namespace, key, mask, name = self._snapshot.popleft()
+                for tier, bit in _TIER_BIT.items():
+                    if mask & bit:
+                        batch.append(self._stored_event(tier, namespace, key, name))
+            while self._queue and len(batch) < MAX_BATCH_EVENTS and not self._snapshot:
+                batch.append(self._queue.popleft())
+            self.events += len(batch)
+            return batch
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # -- under the lock ----------------------------------------------------------------------------------
+
+    def _name(self, namespace: str, key: str) -> _Name:
+        return self._names.get((namespace, key)) or _Name((key.encode(),))
+
+    def _stored_event(self, tier: str, namespace: str, key: str, name: _Name | None = None) -> BlockStored:
+        name = name or self._name(namespace, key)
+        medium, locality, ownership = TIER_MEDIA[tier]
+        block_size = name.block_size if name.block_size is not None else self._block_size.get(namespace, 0)
+        return BlockStored(name.hashes, name.parent, name.tokens, block_size, medium, locality, ownership,
+                           name.lora_name)
+
+    def _push_removed(self, tier: str, hashes: list[BlockHash]) -> None:
+        medium, locality, ownership = TIER_MEDIA[tier]
+        for start in range(0, len(hashes), MAX_HASHES_PER_REMOVAL):
+            self._push(BlockRemoved(tuple(hashes[start:start + MAX_HASHES_PER_REMOVAL]), medium, locality, ownership))
+
+    def _drop_bit(self, namespace: str, held: dict[str, int], key: str, mask: int) -> None:
+        if mask:
+            held[key] = mask
+            return
+        del held[key]
+        if (namespace, key) not in self._pending:
+            self._names.pop((namespace, key), None)
+
+    def _push(self, event: Event) -> None:
+        if self._reset:
+            return  # the reset publishes the state as it will be then
+        if len(self._queue) >= MAX_QUEUED_EVENTS:
+            log.warning("KV events: %d events queued and not yet published; publishing a reset and the "
+                        "whole state instead", len(self._queue))
+            self.resets += 1
+            self._reset = True
+            self._queue.clear()
+        else:
+            self._queue.append(event)
+        self._cond.notify()
+
+
+class EventPublisher:
+    """The thread that publishes the ledger's batches (see the module doc). Sockets are bound
+    in the constructor, so a bad address fails the daemon's start; after that only the thread
+    touches them."""
+
+    def __init__(self, ledger: EventLedger, ctx: zmq.Context, endpoint: str, replay_endpoint: str = "",
+                 topic: str = "", buffer_bytes: int = 64 << 20, encoding: str = "map") -> None:
+        self.ledger = ledger
+        self.topic = topic.encode()
+        self.encoding = encoding
+        self.buffer_bytes = buffer_bytes
+        self._buffer: deque[tuple[int, bytes]] = deque()
+        self._buffered = 0
+        self._seq = 0
+        self.replays = 0
+        self.bad_replays = 0
+        self._stopping = threading.Event()
+        self._pub = ctx.socket(zmq.PUB)
+        self._replay: zmq.Socket | None = None
+        try:
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.bind(endpoint)
+            if replay_endpoint:
+                self._replay = ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.setsockopt(zmq.SNDHWM, REPLAY_HWM)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, 64)  # a replay request is 8 bytes
+                self._replay.bind(replay_endpoint)
+        except zmq.ZMQError:
+            self._close_sockets()
+            raise
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay else ""
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+
+    @property
+    def published(self) -> int:
+        """Batches published so far (the next batch's sequence number)."""
+        return self._seq
+
+    def start(self) -> None:
+        self._thread.start()
+        log.info("KV events: publishing on %s%s", self.endpoint,
+                 f", replay on {self.replay_endpoint}" if self._replay else "")
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Publish what is queued (up to ``timeout``), then close the sockets."""
+        self._stopping.set()
+        self.ledger.wake()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("KV events: the publisher did not finish within %.1f s", timeout)
+        else:
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(0)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._serve_replays()
+                batch = self.ledger.take(0.0 if self._stopping.is_set() else REPLAY_POLL_S)
+                if batch:
+                    self._publish(batch)
+                elif self._stopping.is_set():
+                    return
+        except Exception:  # a bug here must not take the daemon down; events stop, logged once
+            log.exception("KV events: the publisher stopped")
+
+    def _publish(self, events: Iterable[Event]) -> None:
+        seq = self._seq
+        self._seq += 1
+        payload = encode_batch(time.time(), events, self.encoding)
+        try:
+            self._pub.send_multipart((self.topic, seq_bytes(seq), payload), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            pass  # PUB drops for slow subscribers anyway; they catch up through replay
+        self._buffer.append((seq, payload))
+        self._buffered += len(payload)
+        while self._buffered > self.buffer_bytes and self._buffer:
+            self._buffered -= len(self._buffer.popleft()[1])
+
+    def _serve_replays(self) -> None:
+        if self._replay is None:
+            return
+        for _ in range(16):  # a few requests per pass, so a flood of them cannot stall publishing
+            try:
+                frames = self._replay.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or len(frames[2]) != 8:
+                self.bad_replays += 1
+                log.debug("KV events: ignored a malformed replay request of %d frames", len(frames))
+                continue
+            self.replays += 1
+            client, empty, start = frames
+            first = int.from_bytes(start, "big")
+            try:
+                for seq, payload in list(self._buffer):
+                    if seq >= first:
+                        self._replay.send_multipart((client, empty, self.topic, seq_bytes(seq), payload),
+                                                    flags=zmq.NOBLOCK, copy=False)
+                self._replay.send_multipart((client, empty, b"", END_SEQ, b""), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                continue  # that subscriber's queue is full: it asks again
+
+
+def describe_for_stats(ledger: EventLedger | None, publisher: EventPublisher | None) -> dict[str, Any]:
+    if ledger is None or publisher is None:
+        return {"enabled": False}
+    return {"enabled": True, "endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
+            "batches": publisher.published, "events": ledger.events, "resets": ledger.resets,
+            "replays": publisher.replays, "bad_replays": publisher.bad_replays}
