@@ -491,17 +491,22 @@ class FileStore(Store):
         return freed
 
     def maintain(self, now: float | None = None) -> None:
-        """One background pass: claim leadership if free; as leader, refresh the index when it
-        is due and evict down to the watermarks."""
-        if not self.scan_complete.is_set() or not self.try_lead():
+        """One background pass: claim leadership if free; as leader (or, with KV events on, as
+        any daemon) refresh the index when it is due; as leader evict down to the watermarks."""
+        if not self.scan_complete.is_set():
             return
+        leading = self.try_lead()
         now = time.monotonic() if now is None else now
         interval = self.backend.rescan_interval_s
-        if interval and now - self._last_rescan >= interval:
+        # The evicting daemon rescans to count what others wrote; with KV events on, every
+        # daemon does, to announce what others wrote or removed.
+        if (leading or self.events.enabled) and interval and now - self._last_rescan >= interval:
             found = list(self._list_records())
             self._learn_keys(found)
             self.index.replace_all(found)
             self._last_rescan = now
+        if not leading:
+            return
         cap = self.capacity
         if cap.max_bytes and self.index.bytes > cap.high * cap.max_bytes:
             self.evict(self.index.bytes - int(cap.low * cap.max_bytes), "capacity")
