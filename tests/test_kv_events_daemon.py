@@ -285,3 +285,37 @@ def test_events_off_costs_no_ledger(tmp_path: Path) -> None:
         assert not d.daemon.swapper.events.enabled
     assert EventLedger.enabled
     assert os.environ.get("KVSWAP_KV_EVENTS_ENDPOINT") is None
+
+
+def test_the_remote_tier_is_told_apart_as_remote_storage(tmp_path: Path) -> None:
+    from kvswap.testing.remote_servers import RedisServer, redis_skip_reason
+
+    if redis_skip_reason():
+        pytest.skip(redis_skip_reason())
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(tmp_path / "redis").start()
+    pub, replay = _endpoints()
+    try:
+        with HostKVCache.create(LAYOUT) as cache, \
+                _daemon(tmp_path / "s", pub, replay, remote_url=server.url, host_tier_bytes=0) as d, \
+                Client(d.endpoint, timeout=20) as c:
+            cache.fill_random(2)
+            c.register(cache)
+            keys = [f"r{i}" for i in range(5)]
+            c.swap_out(list(range(5)), keys, wait="persisted")
+            sub = Subscriber(pub, replay)
+            try:
+                sub.join()
+                assert wait_until(lambda: (sub.catch_up(), sub.view.keys("kvswap:remote") == set(keys))[1], timeout=15)
+                assert {e.locality for e in sub.view.stored if e.ownership == "kvswap:remote"} == {"REMOTE"}
+                assert {e.medium for e in sub.view.stored if e.ownership == "kvswap:remote"} == {"STORAGE"}
+                assert sub.view.keys("kvswap:file") == set(keys)
+                c.delete(keys[:2])
+                assert wait_until(lambda: (sub.catch_up(), sub.view.keys("kvswap:remote") == set(keys[2:]))[1],
+                                  timeout=15)
+                c.clear()
+                assert wait_until(lambda: (sub.catch_up(), not any(sub.view.held.values()))[1], timeout=15)
+            finally:
+                sub.close()
+    finally:
+        server.kill()
