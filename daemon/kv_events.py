@@ -76,7 +76,7 @@ TIER_MEDIA: Final = {
 _TIER_BIT: Final = {"host": 1, "file": 2, "remote": 4}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Name:
     """How events name one key: hashes, parent, tokens (from the engine, or the key alone)."""
 

@@ -86,16 +86,20 @@ class Metrics:
         """Export the storage tiers' own counters (eviction, scan, capacity) at scrape time."""
         self.registry.register(StoreCollector(stores))
 
-    def watch_kv_events(self, ledger: Any, publisher: Any) -> None:
-        """KV events' counts, read at scrape time (daemon/kv_events.py)."""
+    def watch_kv_events(self, ledger: Any, publisher: Callable[[], Any]) -> None:
+        """KV events' counts, read at scrape time (daemon/kv_events.py); ``publisher()`` is
+        None until the daemon's start-up binds it."""
+        def published(attr: str) -> Callable[[], float]:
+            return lambda: getattr(publisher(), attr, 0)
+
         r = self.registry
         for name, help_text, read in (
                 ("kvswap_kv_event_batches", "KV-event batches published (the next batch's sequence number).",
-                 lambda: publisher.published),
+                 published("published")),
                 ("kvswap_kv_events", "KV events published.", lambda: ledger.events),
                 ("kvswap_kv_event_resets", "Times the event queue overflowed and a reset with the whole state "
                  "was published instead (should stay 0).", lambda: ledger.resets),
-                ("kvswap_kv_event_replays", "Replay requests answered.", lambda: publisher.replays)):
+                ("kvswap_kv_event_replays", "Replay requests answered.", published("replays"))):
             Gauge(name, help_text, registry=r).set_function(read)
 
     def render(self) -> bytes:

@@ -98,6 +98,8 @@ class Daemon:
         self.kv_events = EventLedger() if config.kv_events_endpoint else None
         self.kv_publisher: EventPublisher | None = None
         self._events_ctx: zmq.Context | None = None
+        if self.kv_events is not None:
+            self.metrics.watch_kv_events(self.kv_events, lambda: self.kv_publisher)
         self.swapper = Swapper(config, self.backends, config.locations(), self.metrics,
                                events=self.kv_events or NO_EVENTS)
         self.health = HealthServer(self.metrics, ready=self.ready)
@@ -317,7 +319,6 @@ class Daemon:
             raise StartupError(f"cannot bind the KV events endpoints {cfg.kv_events_endpoint} "
                                f"{cfg.kv_events_replay_endpoint}: {reason}") from None
         self.kv_publisher.start()
-        self.metrics.watch_kv_events(self.kv_events, self.kv_publisher)
 
     async def shutdown(self) -> None:
         self.dispatcher.serving = False

@@ -300,10 +300,10 @@ def _exposed(name: str, kind: str) -> str:
 @pytest.fixture(scope="module")
 def daemon_registry(tmp_path_factory):
     """The registry of a whole daemon, started as far as it goes without sockets: its own
-    metrics, the store collector the swapper adds, and the CURVE counter."""
+    metrics, the store collector the swapper adds, the CURVE counter and the KV events' counts."""
     root = tmp_path_factory.mktemp("store")
     daemon = server.Daemon(Config(storage_dir=str(root), curve_secret_key_file=str(root / "unused.key_secret"),
-                                  authorized_keys=str(root / "unused")))
+                                  authorized_keys=str(root / "unused"), kv_events_endpoint="ipc:///unused"))
     daemon.swapper.start()
     try:
         yield daemon.metrics.registry
