@@ -28,6 +28,14 @@ class RecordEvents:
         """A swap_out is about to write ``keys`` (one chain, head first) with what the engine
         said of each (``metas``: empty, or one entry per key): how to name them when they land."""
 
+    def annotation(self, namespace: str, key: str) -> bytes:
+        """What a record header should keep so that a restart names ``key`` as now (b"": the
+        key alone names it)."""
+        return b""
+
+    def recall(self, namespace: str, key: str, annotation: bytes) -> None:
+        """A scan found ``key`` with ``annotation`` (from :meth:`annotation`) in its header."""
+
     def stored(self, tier: str, namespace: str, keys: Sequence[str]) -> None:
         """``keys`` are readable in ``tier`` now (a write landed, a scan or another daemon's
         write was found)."""

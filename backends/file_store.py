@@ -216,9 +216,10 @@ class FileStore(Store):
         self.events.cleared(self.tier, self.namespace)
 
     def _learn_keys(self, found: list[tuple[str, int, int]]) -> None:
-        """Read the key of each listed record the events do not know yet from its header (KV
-        events only: one small read per record the scan finds). A record whose header does not
-        read stays unnamed: it is never announced, and its removal is not either."""
+        """Read the key of each listed record the events do not know yet from its header, and
+        the name it was announced by before a restart, its annotation (KV events only: one
+        small read per record the scan finds). A record whose header does not read stays
+        unnamed: it is never announced, and its removal is not either."""
         if not self.events.enabled:
             return
         for name, _, _ in found:
@@ -226,11 +227,15 @@ class FileStore(Store):
                 continue
             try:
                 with open(self._path(name), "rb") as f:
-                    header = record.decode_header(f.read(record.HEADER_CORE_BYTES))
+                    head = f.read(self.header_len)
+                header = record.decode_header(head)
             except (OSError, Corrupt):
                 continue
             if record_name(header.key) == name and header.namespace == self.namespace_bytes:
                 self._keys[name] = header.key
+                annotation = record.decode_annotation(head)
+                if annotation:
+                    self.events.recall(self.namespace, header.key, annotation)
 
     # -- Store ------------------------------------------------------------------------------------
 
@@ -280,7 +285,11 @@ class FileStore(Store):
         return chain_broken(key, "file")
 
     def _header(self, key: str, payload: memoryview) -> memoryview | bytes:
-        header = record.encode_header(self.namespace_bytes, key, len(payload), record.payload_checksum(payload))
+        # With KV events on, the header keeps the record's name (engine hashes, tokens) where it
+        # has room, so a restart announces it under the same name.
+        annotation = self.events.annotation(self.namespace, key) if self.events.enabled else b""
+        header = record.encode_header(self.namespace_bytes, key, len(payload), record.payload_checksum(payload),
+                                      annotation=annotation)
         if self.disk.direct and len(header) % PAGE_BYTES == 0:
             aligned = self._header_buffer("write")  # O_DIRECT needs an aligned header buffer too
             aligned[:] = header

@@ -20,6 +20,12 @@ A record is served only when every field matches what the reader expects (magic,
 namespace, key, length) and both checksums hold; anything else is *corrupt*, which callers
 treat as a miss. The key inside the header is what makes a hash collision of two keys' file
 names harmless.
+
+An *annotation* may follow the core in a page-sized header (flags bit 8 set): ``I`` length,
+``Q`` xxh3-64 of the annotation, then its bytes, zero padded as before. It is what KV events
+name the record by (the engine's block hashes and tokens, msgpack), kept so that a restart
+announces records under the same names. Readers that do not look for it are unaffected
+(flags' high bits are ignored on read); the payload's checks never depend on it.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ MAGIC: Final = b"KVSR"
 #: new format is a new namespace and old records are never misread.
 FORMAT_VERSION: Final = RECORD_FORMAT
 CHECKSUM_XXH3_64: Final = 1
+#: flags bit: an annotation follows the header core.
+FLAG_ANNOTATED: Final = 0x100
 
 _FIXED = struct.Struct("<4sHHI16sQQQH6x128s")
 _HEADER_CHECKSUM = struct.Struct("<Q")
@@ -50,6 +58,13 @@ SMALL_HEADER: Final = 256
 ALIGNED_HEADER: Final = PAGE_BYTES
 #: Payloads from this size on get a page-sized header so the payload is page aligned.
 ALIGN_PAYLOAD_FROM: Final = 64 * 1024
+_ANNOTATION = struct.Struct("<IQ")
+
+
+def annotation_room(header_len: int) -> int:
+    """The most annotation bytes a header of ``header_len`` carries (3,888 in a page-sized
+    one; none in the 256-byte header of a small record)."""
+    return max(0, header_len - HEADER_CORE_BYTES - _ANNOTATION.size)
 
 
 def header_len_for(payload_len: int) -> int:
@@ -70,8 +85,10 @@ class RecordHeader:
     header_len: int
 
 
-def encode_header(namespace: bytes, key: str, payload_len: int, checksum: int, created_ns: int | None = None) -> bytes:
-    """The header bytes (``header_len`` long, zero padded) for one record."""
+def encode_header(namespace: bytes, key: str, payload_len: int, checksum: int, created_ns: int | None = None,
+                  annotation: bytes = b"") -> bytes:
+    """The header bytes (``header_len`` long, zero padded) for one record; ``annotation`` is
+    kept only where it fits (:func:`annotation_room`), else left out."""
     key_bytes = key.encode()
     if len(key_bytes) > MAX_KEY_LENGTH:
         raise ValueError("key too long for a record header")
@@ -79,10 +96,29 @@ def encode_header(namespace: bytes, key: str, payload_len: int, checksum: int, c
         raise ValueError("namespace must be 16 bytes")
     header_len = header_len_for(payload_len)
     created = time.time_ns() if created_ns is None else created_ns
-    core = _FIXED.pack(MAGIC, FORMAT_VERSION, header_len, CHECKSUM_XXH3_64, namespace, payload_len, checksum, created,
+    annotated = 0 < len(annotation) <= annotation_room(header_len)
+    flags = CHECKSUM_XXH3_64 | (FLAG_ANNOTATED if annotated else 0)
+    core = _FIXED.pack(MAGIC, FORMAT_VERSION, header_len, flags, namespace, payload_len, checksum, created,
                        len(key_bytes), key_bytes)
     core += _HEADER_CHECKSUM.pack(xxhash.xxh3_64_intdigest(core))
+    if annotated:
+        core += _ANNOTATION.pack(len(annotation), xxhash.xxh3_64_intdigest(annotation)) + annotation
     return core + bytes(header_len - len(core))
+
+
+def decode_annotation(data: bytes | memoryview) -> bytes | None:
+    """The annotation of a header whose core :func:`decode_header` accepted, or None when it
+    has none, or when ``data`` (the header's first bytes) does not hold all of it, or its
+    checksum fails (the record itself is still good: it is only served by its other checks)."""
+    (flags,) = struct.unpack_from("<I", data, 8)
+    if not flags & FLAG_ANNOTATED or len(data) < HEADER_CORE_BYTES + _ANNOTATION.size:
+        return None
+    length, checksum = _ANNOTATION.unpack_from(data, HEADER_CORE_BYTES)
+    start = HEADER_CORE_BYTES + _ANNOTATION.size
+    body = bytes(data[start:start + length])
+    if len(body) != length or xxhash.xxh3_64_intdigest(body) != checksum:
+        return None
+    return body
 
 
 def decode_header(data: bytes | memoryview) -> RecordHeader:

@@ -31,12 +31,13 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
 from typing import Any, Final, Iterable, Sequence
 
+import msgpack
 import zmq
 
 from kvswap.backends.events import RecordEvents
+from kvswap.protocol.errors import KvswapError
 from kvswap.protocol.kv_events import (
     END_SEQ,
     MEDIUM_CPU,
@@ -76,17 +77,6 @@ TIER_MEDIA: Final = {
 _TIER_BIT: Final = {"host": 1, "file": 2, "remote": 4}
 
 
-@dataclass(frozen=True, slots=True)
-class _Name:
-    """How events name one key: hashes, parent, tokens (from the engine, or the key alone)."""
-
-    hashes: tuple[BlockHash, ...]
-    parent: BlockHash | None = None
-    tokens: tuple[int, ...] = ()
-    block_size: int | None = None
-    lora_name: str | None = None
-
-
 class EventLedger(RecordEvents):
     """Which tiers hold each key, and the events their changes make (see the module doc)."""
 
@@ -96,13 +86,14 @@ class EventLedger(RecordEvents):
         self._cond = threading.Condition(threading.Lock())
         #: namespace -> key -> bit set of the tiers holding it.
         self._held: dict[str, dict[str, int]] = {}
-        #: (namespace, key) -> how events name it, for keys held or about to be.
-        self._names: dict[tuple[str, str], _Name] = {}
+        #: (namespace, key) -> how events name it, for keys held or about to be; a block_size
+        #: of 0 means the namespace's (:meth:`describe`).
+        self._names: dict[tuple[str, str], BlockMeta] = {}
         self._pending: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._block_size: dict[str, int] = {}
         self._queue: deque[Event] = deque()
         #: After a reset: the held records as they were then, still to be announced.
-        self._snapshot: deque[tuple[str, str, int, _Name | None]] = deque()
+        self._snapshot: deque[tuple[str, str, int, BlockMeta | None]] = deque()
         #: Set at start and on overflow: the next batch is a reset and the whole state.
         self._reset = True
         self.resets = 0
@@ -124,10 +115,10 @@ class EventLedger(RecordEvents):
                 meta = metas[i] if metas else None
                 if meta is not None:
                     parent = meta.parent_block_hash if meta.parent_block_hash is not None else previous
-                    name = _Name(meta.block_hashes, parent, meta.token_ids, meta.block_size or None, meta.lora_name)
+                    name = BlockMeta(meta.block_hashes, parent, meta.token_ids, meta.block_size, meta.lora_name)
                 else:
-                    name = _Name((key.encode(),), previous)
-                previous = name.hashes[-1]
+                    name = BlockMeta((key.encode(),), previous)
+                previous = name.block_hashes[-1]
                 if i == 0 and meta is None:
                     continue  # the key alone, no parent: the default name, nothing to keep
                 entry = (namespace, key)
@@ -137,10 +128,27 @@ class EventLedger(RecordEvents):
                 self._names[entry] = name
                 self._pending[entry] = None
                 self._pending.move_to_end(entry)
-            while len(self._pending) > MAX_PENDING_METAS:
-                entry, _ = self._pending.popitem(last=False)
-                if not self._held.get(entry[0], {}).get(entry[1]):
-                    self._names.pop(entry, None)
+            self._trim_pending()
+
+    def annotation(self, namespace: str, key: str) -> bytes:
+        """How events name ``key``, as the bytes a record header keeps (b"" for the key alone)."""
+        with self._cond:
+            name = self._names.get((namespace, key))
+        return msgpack.packb(name.to_wire(), use_bin_type=True) if name is not None else b""
+
+    def recall(self, namespace: str, key: str, annotation: bytes) -> None:
+        """A scan found ``key``'s record with ``annotation`` in its header: name it so when the
+        index takes it in. An annotation that does not parse is ignored (the key names it)."""
+        try:
+            name = BlockMeta.from_wire(msgpack.unpackb(annotation, raw=False), 0)
+        except (KvswapError, ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+            return
+        with self._cond:
+            if not self._held.get(namespace, {}).get(key):
+                entry = (namespace, key)
+                self._names[entry] = name
+                self._pending[entry] = None
+                self._trim_pending()
 
     # -- RecordEvents: what the stores report --------------------------------------------------------
 
@@ -167,7 +175,7 @@ class EventLedger(RecordEvents):
                 mask = held.get(key, 0)
                 if not mask & bit:
                     continue
-                hashes.extend(self._name(namespace, key).hashes)
+                hashes.extend(self._name(namespace, key).block_hashes)
                 self._drop_bit(namespace, held, key, mask & ~bit)
             if hashes:
                 self._push_removed(tier, hashes)
@@ -179,7 +187,7 @@ class EventLedger(RecordEvents):
             hashes: list[BlockHash] = []
             for key, mask in list(held.items()):
                 if mask & bit:
-                    hashes.extend(self._name(namespace, key).hashes)
+                    hashes.extend(self._name(namespace, key).block_hashes)
                     self._drop_bit(namespace, held, key, mask & ~bit)
             if not hashes:
                 return
@@ -231,15 +239,21 @@ class EventLedger(RecordEvents):
 
     # -- under the lock ----------------------------------------------------------------------------------
 
-    def _name(self, namespace: str, key: str) -> _Name:
-        return self._names.get((namespace, key)) or _Name((key.encode(),))
+    def _name(self, namespace: str, key: str) -> BlockMeta:
+        return self._names.get((namespace, key)) or BlockMeta((key.encode(),))
 
-    def _stored_event(self, tier: str, namespace: str, key: str, name: _Name | None = None) -> BlockStored:
+    def _stored_event(self, tier: str, namespace: str, key: str, name: BlockMeta | None = None) -> BlockStored:
         name = name or self._name(namespace, key)
         medium, locality, ownership = TIER_MEDIA[tier]
-        block_size = name.block_size if name.block_size is not None else self._block_size.get(namespace, 0)
-        return BlockStored(name.hashes, name.parent, name.tokens, block_size, medium, locality, ownership,
+        return BlockStored(name.block_hashes, name.parent_block_hash, name.token_ids,
+                           name.block_size or self._block_size.get(namespace, 0), medium, locality, ownership,
                            name.lora_name)
+
+    def _trim_pending(self) -> None:
+        while len(self._pending) > MAX_PENDING_METAS:
+            entry, _ = self._pending.popitem(last=False)
+            if not self._held.get(entry[0], {}).get(entry[1]):
+                self._names.pop(entry, None)
 
     def _push_removed(self, tier: str, hashes: list[BlockHash]) -> None:
         medium, locality, ownership = TIER_MEDIA[tier]

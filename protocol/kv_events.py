@@ -53,7 +53,7 @@ def seq_bytes(seq: int) -> bytes:
     return seq.to_bytes(8, "big")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BlockMeta:
     """The engine's view of one record: its block hashes (one per engine block the record
     covers, in order), the hash of the block before the first, the tokens, the engine's

@@ -252,3 +252,49 @@ def test_an_overflowing_queue_becomes_a_reset_with_the_whole_state(monkeypatch):
     _drain(ledger, view)
     assert view.keys("kvswap:host") == {f"k{i}" for i in range(2, 19)}
     assert view.keys("kvswap:file") == {"k5"}
+
+
+# -- the name a record header keeps -----------------------------------------------------------------
+
+from kvswap.backends import record  # noqa: E402
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(min_size=1, max_size=4000), st.sampled_from([1024, 65536, 1 << 20]))
+def test_an_annotation_is_kept_where_it_fits_and_never_changes_what_the_record_is(annotation, payload_len):
+    ns = bytes(range(16))
+    header = record.encode_header(ns, "key", payload_len, 1234, annotation=annotation)
+    assert len(header) == record.header_len_for(payload_len)
+    decoded = record.decode_header(header)  # the core reads as before, annotation or not
+    assert (decoded.key, decoded.payload_len, decoded.checksum) == ("key", payload_len, 1234)
+    fits = len(annotation) <= record.annotation_room(len(header))
+    assert record.decode_annotation(header) == (annotation if fits else None)
+    if not fits:
+        assert header == record.encode_header(ns, "key", payload_len, 1234, decoded.created_ns)
+
+
+def test_a_damaged_annotation_is_dropped_and_the_record_still_reads():
+    header = bytearray(record.encode_header(bytes(16), "k", 1 << 16, 7, annotation=b"\x81\xa1x\x01"))
+    header[record.HEADER_CORE_BYTES + 13] ^= 0xFF
+    assert record.decode_header(header).key == "k"
+    assert record.decode_annotation(header) is None
+    assert record.decode_annotation(header[:record.HEADER_CORE_BYTES + 5]) is None  # cut short
+
+
+def test_the_ledger_recalls_a_name_from_a_header_and_ignores_garbage():
+    ledger = EventLedger()
+    ledger.take(0)
+    meta = BlockMeta((b"\x07" * 32,), b"\x06" * 32, (1, 2, 3), 16, None)
+    ledger.expect("ns", ["k"], [meta])
+    saved = ledger.annotation("ns", "k")
+    restarted = EventLedger()
+    restarted.take(0)
+    restarted.recall("ns", "k", saved)
+    restarted.recall("ns", "bad", b"\xc1\xc1")
+    restarted.recall("ns", "worse", msgpack.packb({"block_hashes": "no"}))
+    restarted.stored("file", "ns", ["k", "bad", "worse"])
+    k, bad, worse = restarted.take(0)
+    assert (k.block_hashes, k.parent_block_hash, k.token_ids, k.block_size) == (
+        meta.block_hashes, meta.parent_block_hash, meta.token_ids, 16)
+    assert bad.block_hashes == (b"bad",) and worse.block_hashes == (b"worse",)
+    assert ledger.annotation("ns", "unknown") == b""

@@ -319,3 +319,36 @@ def test_the_remote_tier_is_told_apart_as_remote_storage(tmp_path: Path) -> None
                 sub.close()
     finally:
         server.kill()
+
+
+def test_a_restart_announces_records_under_the_names_their_headers_kept(tmp_path: Path) -> None:
+    """64 KiB records get a page-sized header, which keeps the engine's names: the restarted
+    daemon's scan announces them with the same hashes, parents and tokens."""
+    big = CacheLayout("events-big", num_layers=8, num_blocks=16, block_size=16, num_kv_heads=2, head_dim=64)
+    assert big.record_bytes == 64 * 1024 and record.annotation_room(record.header_len_for(big.record_bytes)) > 3000
+    store, (pub, replay) = tmp_path / "store", _endpoints()
+    hashes = [bytes([i + 1]) * 32 for i in range(4)]
+    metas = [BlockMeta((h,), None, tuple(range(16 * i, 16 * i + 16)), 16) for i, h in enumerate(hashes)]
+    with HostKVCache.create(big) as cache:
+        cache.fill_random(9)
+        with _daemon(store, pub, replay, host_tier_bytes=0, write_staging_bytes=16 * big.record_bytes) as d, Client(d.endpoint, timeout=20) as c:
+            c.register(cache)
+            c.swap_out([0, 1, 2, 3, 4], ["n0", "n1", "n2", "n3", "plain"], wait="persisted",
+                       block_meta=[*metas, None])
+        with _daemon(store, pub, replay, host_tier_bytes=0, write_staging_bytes=16 * big.record_bytes) as d, Client(d.endpoint, timeout=20) as c:
+            c.register(cache)
+            sub = Subscriber(pub, replay)
+            try:
+                sub.join()
+                assert wait_until(lambda: (sub.catch_up(), len(sub.view.held[("STORAGE", "kvswap:file")]) == 5)[1],
+                                  timeout=15)
+                announced = {e.block_hashes[0]: e for e in sub.view.stored}
+                for i, h in enumerate(hashes):
+                    assert announced[h].token_ids == metas[i].token_ids
+                    assert announced[h].parent_block_hash == (hashes[i - 1] if i else None)
+                assert announced[b"plain"].parent_block_hash == hashes[3]  # the chain's, kept too
+                c.delete(["n2"])  # and removed under that name
+                assert wait_until(lambda: (sub.catch_up(), hashes[2] not in sub.view.held[("STORAGE", "kvswap:file")])[1],
+                                  timeout=15)
+            finally:
+                sub.close()
