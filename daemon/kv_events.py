@@ -63,6 +63,9 @@ MAX_HASHES_PER_REMOVAL: Final = 1024
 #: Keys a swap_out described whose records have not landed (or never will: a failed write):
 #: their metadata is kept for this many of the newest, then forgotten.
 MAX_PENDING_METAS: Final = 1 << 16
+#: Memory the engine's names (block_meta) may take in the ledger, all keys together: a peer
+#: sending 8,192 token ids with each key of tiny records cannot make names outgrow the records.
+MAX_NAME_BYTES: Final = 256 << 20
 #: How often the publisher looks for replay requests while no events come.
 REPLAY_POLL_S: Final = 0.05
 #: Messages a replay may queue for one subscriber (ZMQ drops the rest; it asks again).
@@ -91,6 +94,10 @@ class EventLedger(RecordEvents):
         self._names: dict[tuple[str, str], BlockMeta] = {}
         self._pending: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._block_size: dict[str, int] = {}
+        #: What the kept names cost in memory (an estimate, :func:`_name_cost`), and the names
+        #: not kept because they would have passed MAX_NAME_BYTES.
+        self._name_bytes = 0
+        self.names_dropped = 0
         self._queue: deque[Event] = deque()
         #: After a reset: the held records as they were then, still to be announced.
         self._snapshot: deque[tuple[str, str, int, BlockMeta | None]] = deque()
@@ -125,9 +132,9 @@ class EventLedger(RecordEvents):
                 held = self._held.get(namespace, {}).get(key)
                 if held:
                     continue  # already announced under the name it has; names do not change
-                self._names[entry] = name
-                self._pending[entry] = None
-                self._pending.move_to_end(entry)
+                if self._set_name(entry, name):
+                    self._pending[entry] = None
+                    self._pending.move_to_end(entry)
             self._trim_pending()
 
     def annotation(self, namespace: str, key: str) -> bytes:
@@ -146,9 +153,9 @@ class EventLedger(RecordEvents):
         with self._cond:
             if not self._held.get(namespace, {}).get(key):
                 entry = (namespace, key)
-                self._names[entry] = name
-                self._pending[entry] = None
-                self._trim_pending()
+                if self._set_name(entry, name):
+                    self._pending[entry] = None
+                    self._trim_pending()
 
     # -- RecordEvents: what the stores report --------------------------------------------------------
 
@@ -249,11 +256,29 @@ class EventLedger(RecordEvents):
                            name.block_size or self._block_size.get(namespace, 0), medium, locality, ownership,
                            name.lora_name)
 
+    def _set_name(self, entry: tuple[str, str], name: BlockMeta) -> bool:
+        """Keep ``name`` for ``entry`` if the names' memory budget allows; False when it does
+        not (the key names the record then, in every event about it: consistent, only not the
+        engine's name)."""
+        self._drop_name(entry)
+        cost = _name_cost(name)
+        if self._name_bytes + cost > MAX_NAME_BYTES:
+            self.names_dropped += 1
+            return False
+        self._names[entry] = name
+        self._name_bytes += cost
+        return True
+
+    def _drop_name(self, entry: tuple[str, str]) -> None:
+        name = self._names.pop(entry, None)
+        if name is not None:
+            self._name_bytes -= _name_cost(name)
+
     def _trim_pending(self) -> None:
         while len(self._pending) > MAX_PENDING_METAS:
             entry, _ = self._pending.popitem(last=False)
             if not self._held.get(entry[0], {}).get(entry[1]):
-                self._names.pop(entry, None)
+                self._drop_name(entry)
 
     def _push_removed(self, tier: str, hashes: list[BlockHash]) -> None:
         medium, locality, ownership = TIER_MEDIA[tier]
@@ -266,7 +291,7 @@ class EventLedger(RecordEvents):
             return
         del held[key]
         if (namespace, key) not in self._pending:
-            self._names.pop((namespace, key), None)
+            self._drop_name((namespace, key))
 
     def _push(self, event: Event) -> None:
         if self._reset:
@@ -280,6 +305,12 @@ class EventLedger(RecordEvents):
         else:
             self._queue.append(event)
         self._cond.notify()
+
+
+def _name_cost(name: BlockMeta) -> int:
+    """Bytes a kept name holds, about: the object, its hashes, its token ids (an int object
+    and a reference each, for ids past the interpreter's small-int cache)."""
+    return 160 + 72 * len(name.block_hashes) + 36 * len(name.token_ids)
 
 
 class EventPublisher:
@@ -397,4 +428,5 @@ def describe_for_stats(ledger: EventLedger | None, publisher: EventPublisher | N
         return {"enabled": False}
     return {"enabled": True, "endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
             "batches": publisher.published, "events": ledger.events, "resets": ledger.resets,
-            "replays": publisher.replays, "bad_replays": publisher.bad_replays}
+            "replays": publisher.replays, "bad_replays": publisher.bad_replays,
+            "name_bytes": ledger._name_bytes, "names_dropped": ledger.names_dropped}

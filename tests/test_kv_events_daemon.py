@@ -233,6 +233,10 @@ def test_the_replay_socket_ignores_malformed_requests_and_keeps_answering(tmp_pa
             assert publisher is not None
             assert wait_until(lambda: publisher.bad_replays == 3, timeout=10)
             assert publisher.replays == 1
+            with Client(d.endpoint, timeout=10) as c:
+                stats = c.stats()["kv_events"]
+            assert stats["enabled"] and stats["replays"] == 1 and stats["bad_replays"] == 3
+            assert stats["endpoint"] == pub and stats["batches"] >= 1
         finally:
             dealer.close(0)
             ctx.term()
