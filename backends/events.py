@@ -46,5 +46,9 @@ class RecordEvents:
     def cleared(self, tier: str, namespace: str) -> None:
         """Every record of ``namespace`` left ``tier`` (``clear``)."""
 
+    def closed(self, namespace: str) -> None:
+        """The daemon stopped serving ``namespace`` (an engine registered another layout): its
+        records stay stored, but no lookup reaches them here until it is registered again."""
+
 
 NO_EVENTS = RecordEvents()

@@ -187,6 +187,14 @@ class EventLedger(RecordEvents):
             if hashes:
                 self._push_removed(tier, hashes)
 
+    def closed(self, namespace: str) -> None:
+        """Its records leave every tier as far as routers go; a registration of it again
+        announces the file tier's afresh (its scan)."""
+        for tier in _TIER_BIT:
+            self.cleared(tier, namespace)
+        with self._cond:
+            self._held.pop(namespace, None)
+
     def cleared(self, tier: str, namespace: str) -> None:
         bit = _TIER_BIT[tier]
         with self._cond:

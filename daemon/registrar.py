@@ -125,6 +125,7 @@ class Registrar:
             # in flight keep their own reference and finish.
             for namespace in [ns for ns in self.namespaces if ns != registration.namespace]:
                 self.namespaces.pop(namespace).close()
+                self.events.closed(namespace)  # no longer served here: routers should not send it
         self.metrics.registered.set(1)
         self.metrics.registrations.labels(event="registered").inc()
         mover = registration.mover.describe()

@@ -356,3 +356,26 @@ def test_a_restart_announces_records_under_the_names_their_headers_kept(tmp_path
                                   timeout=15)
             finally:
                 sub.close()
+
+
+def test_a_namespace_no_longer_served_is_removed_and_announced_again_when_it_returns(tmp_path: Path) -> None:
+    other = CacheLayout("events-other", num_layers=2, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=32)
+    pub, replay = _endpoints()
+    with HostKVCache.create(LAYOUT) as first, HostKVCache.create(other) as second, \
+            _daemon(tmp_path / "s", pub, replay) as d, Client(d.endpoint, timeout=20) as c:
+        first.fill_random(1)
+        second.fill_random(2)
+        c.register(first)
+        c.swap_out([0, 1, 2], ["x0", "x1", "x2"], wait="persisted")
+        sub = Subscriber(pub, replay)
+        try:
+            sub.join()
+            assert wait_until(lambda: (sub.catch_up(), sub.view.keys("kvswap:file") == {"x0", "x1", "x2"})[1], 15)
+            c.register(second)  # another layout: the first namespace's stores close
+            c.swap_out([0], ["y0"], wait="persisted")
+            assert wait_until(lambda: (sub.catch_up(), sub.view.keys("kvswap:file") == {"y0"})[1], 15)
+            assert sub.view.keys("kvswap:host") == {"y0"}
+            c.register(first)  # back: its scan announces its records again
+            assert wait_until(lambda: (sub.catch_up(), sub.view.keys("kvswap:file") == {"x0", "x1", "x2"})[1], 15)
+        finally:
+            sub.close()
