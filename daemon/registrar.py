@@ -115,6 +115,7 @@ class Registrar:
                 await run(self.threads.register, self.staging.pin, registration.mover)
             except BaseException:
                 await run(self.threads.register, registration.close)
+                await self._restore_staging()
                 raise
             if self.current is not None:
                 await self._release(self.current, "replaced")
@@ -135,6 +136,26 @@ class Registrar:
         assert self.staging.write is not None
         return {"namespace": registration.namespace, "record_bytes": registration.record_bytes,
                 "write_slots": self.staging.write.capacity, "token": registration.token}
+
+    async def _restore_staging(self) -> None:
+        """A register that failed after making an arena of its record size leaves staging at
+        a size the current registration (if any) cannot use: its swaps would fail until it
+        registered again. Make its own size again, and reopen its RAM-tier store in that arena
+        (the records the replaced arena held are gone with it, as at any change of size)."""
+        current = self.current
+        if current is None or self.staging.arena is None or self.staging.arena.record_bytes == current.record_bytes:
+            return
+        log.warning("a failed register changed the staging record size; restoring %d-byte staging for the "
+                    "registration of pid %d", current.record_bytes, current.pid)
+        await run(self.threads.register, self.staging.prepare, current.record_bytes)
+        cached = self.namespaces.get(current.namespace)
+        tiers = await run(self.threads.register, self._open_namespace, current, cached)
+        if tiers is not cached:
+            self.namespaces[current.namespace] = current.tiers = tiers
+            for store in tiers:
+                if cached is None or store not in cached.stores.values():
+                    self.on_open_store(store)
+        await run(self.threads.register, self.staging.pin, current.mover)
 
     async def _check_holder(self, pid: int) -> None:
         """Refuse a register while another live engine holds the registration; release a holder

@@ -147,3 +147,37 @@ def test_partial_swap_out_stores_what_fits_and_says_which(tmp_path: Path, cache:
             gate.gate.set()
             c.flush()
             assert c.lookup(["p0", "p1", "p2", "p3"]) == 3
+
+
+def test_a_register_of_another_size_that_fails_leaves_the_current_engine_swapping(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine re-registers with another layout and the new namespace's directory cannot be
+    made (a full disk): the registration it had stays, and so does staging of its size (before,
+    its next swap_out failed with internal: the slots were the failed layout's size)."""
+    from kvswap.backends import file_store
+    from kvswap.protocol import CacheLayout, IOFailure
+
+    first = CacheLayout("faults-a", num_layers=2, num_blocks=16, block_size=16, num_kv_heads=2, head_dim=64)
+    second = CacheLayout("faults-b", num_layers=2, num_blocks=16, block_size=16, num_kv_heads=2, head_dim=32)
+    opened = file_store.FileBackend.open_store
+
+    def full_for_the_second(self, namespace, description, record_bytes):
+        if record_bytes == second.record_bytes:
+            raise IOFailure("no space left on device (injected)")
+        return opened(self, namespace, description, record_bytes)
+
+    with HostKVCache.create(first) as a, HostKVCache.create(second) as b, InProcessDaemon(tmp_path / "s") as d, \
+            Client(d.endpoint, timeout=10) as c:
+        a.fill_random(1)
+        c.register(a)
+        c.swap_out([0], ["kept"], wait="persisted")
+        monkeypatch.setattr(file_store.FileBackend, "open_store", full_for_the_second)
+        with pytest.raises(IOFailure):
+            c.register(b)
+        monkeypatch.setattr(file_store.FileBackend, "open_store", opened)
+        assert c.swap_out([1, 2], ["x", "y"], wait="persisted").status == ["stored", "stored"]
+        a.zero_blocks([5, 6, 7])
+        assert c.swap_in(["x", "y", "kept"], [5, 6, 7]).status == ["loaded"] * 3
+        assert [a.block_record(i) for i in (5, 6, 7)] == [a.block_record(i) for i in (1, 2, 0)]
+        assert d.daemon.swapper.staging.arena is not None
+        assert d.daemon.swapper.staging.arena.record_bytes == first.record_bytes
