@@ -20,11 +20,18 @@ reports its blocks through ``get_block_ids_with_load_errors``, so vLLM (with
 ``kv_load_failure_policy="recompute"``) recomputes them instead of attending to garbage.
 Any kvswap error is a miss or a skipped save: the engine never fails a request for it.
 
+KV events: each save tells kvswapd the engine's names of its blocks (``block_meta``: hashes
+converted as vLLM converts them for its own events, parent, tokens), and with
+``kv_events_endpoint`` set and vLLM's ``--kv-events-config`` on, the scheduler forwards the
+daemon's events (what its RAM, file and remote tiers store and remove) into vLLM's own stream
+through ``take_events`` (:mod:`.events`).
+
 The daemon: ``kv_connector_extra_config["endpoint"]`` (one endpoint, or a list in rank
 order), else ``KVSWAP_ENDPOINTS`` as ``kvswap launch`` sets it (rank i -> i-th), else
 ``tcp://127.0.0.1:55500``. The other ``kv_connector_extra_config`` keys (``load_policy``,
 ``timeout_s``, ``lookup_timeout_s``, ``connect_timeout_s``, ``retry_s``, ``model_id``,
-``stats_file``) are listed in docs/integration.md.
+``stats_file``, ``block_meta``, ``kv_events_endpoint``, ``kv_events_replay_endpoint``,
+``kv_events_topic``) are listed in docs/integration.md.
 
 vLLM and torch are imported here, at import time: this module is only imported by vLLM.
 """
@@ -34,23 +41,31 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import zmq
+from vllm.distributed import kv_events as vllm_events
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvswap.protocol import kv_events as kvswap_events
 from kvswap.protocol.client import Client
 from kvswap.protocol.errors import KvswapError
 
+from .events import EventForwarder
 from .plan import (
     Backoff,
+    block_meta_setting,
+    block_metas,
     blocks_to_save,
     keys_for,
     loadable_blocks,
@@ -147,6 +162,10 @@ class KvswapConnector(KVConnectorBase_V1):
         if self.scheduler is not None and isinstance(connector_output.kv_connector_worker_meta, KvswapWorkerMetadata):
             self.scheduler.take_report(connector_output.kv_connector_worker_meta)
 
+    def take_events(self) -> Iterable[vllm_events.KVCacheEvent]:
+        # The scheduler calls this once a step and publishes what it returns with the GPU's events.
+        return self.scheduler.take_events() if self.scheduler is not None else ()
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is not None:
             self.scheduler.finished(request.request_id)
@@ -194,7 +213,14 @@ class SchedulerSide:
         self._pending: dict[str, tuple[int, int]] = {}  # req_id -> (first block, blocks to load)
         self._loads: list[Transfer] = []
         self._tracked: dict[str, _Tracked] = {}
-        log.info("kvswap connector (scheduler): daemons %s, load policy %s", ", ".join(endpoints), self.policy.mode)
+        #: Block metadata for saves (for the daemon's KV events), unless ``block_meta`` is false.
+        self.build_metas = block_meta_setting(extra) is not False
+        self.events = _forwarder(vllm_config, extra)
+        if self.events is not None:
+            forwarder = self.events
+            self.stats.sections["kv_events"] = lambda: asdict(forwarder.counts)
+        log.info("kvswap connector (scheduler): daemons %s, load policy %s%s", ", ".join(endpoints), self.policy.mode,
+                 f", forwarding KV events from {self.events.endpoint}" if self.events else "")
 
     def _keys(self, request: Any) -> list[str]:
         return keys_for(request.block_hashes, self.hashes_per_block)
@@ -273,8 +299,14 @@ class SchedulerSide:
         keys = self._keys(tracked.request)
         todo = blocks_to_save(tracked.saved, computed_after, self.block_size, len(keys), len(tracked.block_ids))
         if todo:
-            meta.saves.append(Transfer(tracked.request.request_id, keys[todo.start:todo.stop],
-                                       tracked.block_ids[todo.start:todo.stop]))
+            request = tracked.request
+            metas = None
+            if self.build_metas:
+                lora = request.lora_request.name if request.lora_request else None
+                metas = block_metas(request.block_hashes, request.all_token_ids, self.hashes_per_block,
+                                    self.block_size, todo, maybe_convert_block_hash, lora)
+            meta.saves.append(Transfer(request.request_id, keys[todo.start:todo.stop],
+                                       tracked.block_ids[todo.start:todo.stop], metas))
             tracked.saved = todo.stop
 
     def take_report(self, report: KvswapWorkerMetadata) -> None:
@@ -289,8 +321,51 @@ class SchedulerSide:
         self._pending.pop(req_id, None)
         self.stats.maybe_write(self.policy)
 
+    def take_events(self) -> list[vllm_events.KVCacheEvent]:
+        if self.events is None:
+            return []
+        try:
+            return [_to_vllm(e) for e in self.events.take()]
+        except zmq.ZMQError as exc:  # never the scheduler's problem: stop forwarding
+            log.error("kvswap connector: KV events from %s stop (%s)", self.events.endpoint, exc)
+            self.events.close()
+            self.events = None
+            return []
+
     def close(self) -> None:
         self.stats.write(self.policy)
         log.info("kvswap connector (scheduler): %s", json.dumps(self.stats.summary(self.policy)))
+        if self.events is not None:
+            self.events.close()
+            self.events = None
         for client in self.clients:
             client.close()
+
+
+def _forwarder(vllm_config: VllmConfig, extra: dict[str, Any]) -> EventForwarder | None:
+    """The forwarder of rank 0's daemon's events, when both ends have events on."""
+    endpoint = str(extra.get("kv_events_endpoint") or "")
+    if not endpoint:
+        return None
+    events_config = getattr(vllm_config, "kv_events_config", None)
+    if events_config is None or not events_config.enable_kv_cache_events:
+        log.warning("kvswap connector: kv_events_endpoint is set but vLLM publishes no KV events "
+                    "(--kv-events-config enable_kv_cache_events); not forwarding kvswapd's")
+        return None
+    return EventForwarder(endpoint, str(extra.get("kv_events_replay_endpoint") or "") or None,
+                          str(extra.get("kv_events_topic") or ""), maybe_convert_block_hash,
+                          retry_s=float(extra.get("retry_s", 5.0)))
+
+
+def _to_vllm(event: kvswap_events.Event) -> vllm_events.KVCacheEvent:
+    """One kvswap event as vLLM's own. ``group_idx`` 0: the connector saves the blocks of the
+    first KV cache group, whose GPU events carry 0."""
+    if isinstance(event, kvswap_events.BlockStored):
+        return vllm_events.BlockStored(
+            block_hashes=list(event.block_hashes), parent_block_hash=event.parent_block_hash,
+            token_ids=list(event.token_ids), block_size=event.block_size, lora_id=None, medium=event.medium,
+            lora_name=event.lora_name, group_idx=0, locality=event.locality, ownership=event.ownership)
+    if isinstance(event, kvswap_events.BlockRemoved):
+        return vllm_events.BlockRemoved(block_hashes=list(event.block_hashes), medium=event.medium, group_idx=0,
+                                        locality=event.locality, ownership=event.ownership)
+    return vllm_events.AllBlocksCleared()

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvswap.protocol.client import DEFAULT_ENDPOINT
 from kvswap.protocol.errors import KvswapError
+from kvswap.protocol.kv_events import BlockHash, BlockMeta
 
 
 def resolve_endpoints(extra: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> list[str]:
@@ -28,6 +29,26 @@ def resolve_endpoints(extra: Mapping[str, Any], environ: Mapping[str, str] = os.
     return listed or [DEFAULT_ENDPOINT]
 
 
+def block_meta_setting(extra: Mapping[str, Any]) -> bool | None:
+    """``kv_connector_extra_config["block_meta"]``: True or False, or None for "auto" (the
+    default: sent when the daemon publishes KV events, as its ``stats`` says).
+
+    >>> block_meta_setting({}), block_meta_setting({"block_meta": "false"}), block_meta_setting({"block_meta": True})
+    (None, False, True)
+    """
+    value = extra.get("block_meta", "auto")
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("auto", ""):
+        return None
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"kv_connector_extra_config block_meta must be auto, true or false, got {value!r}")
+
+
 def keys_for(block_hashes: Sequence[bytes], per_block: int) -> list[str]:
     """One key per engine block: the chained hash at the block's last hash boundary (it covers
     every token before it), in hex. ``per_block`` = block size / hash block size.
@@ -36,6 +57,27 @@ def keys_for(block_hashes: Sequence[bytes], per_block: int) -> list[str]:
     ['02', '04']
     """
     return [bytes(h).hex() for h in block_hashes[per_block - 1::per_block]]
+
+
+def block_metas(block_hashes: Sequence[bytes], token_ids: Sequence[int], per_block: int, block_size: int,
+                blocks: range, convert: Callable[[bytes], BlockHash], lora_name: str | None = None) -> list[BlockMeta]:
+    """What kvswapd's KV events name each of ``blocks`` by, as vLLM's own BlockStored events name
+    the same block: its hash (the key's: the chained hash at the block's last hash boundary,
+    through ``convert``, vLLM's ``maybe_convert_block_hash``), the hash of the block before it as
+    parent (None for a prompt's first block), its tokens, the engine's block size.
+
+    >>> m = block_metas([b"\\x01", b"\\x02", b"\\x03", b"\\x04"], range(8), 2, 4, range(2), lambda h: h[0])
+    >>> [(x.block_hashes, x.parent_block_hash, x.token_ids) for x in m]
+    [((2,), None, (0, 1, 2, 3)), ((4,), 2, (4, 5, 6, 7))]
+    """
+    out = []
+    parent = convert(block_hashes[blocks.start * per_block - 1]) if blocks.start > 0 else None
+    for i in blocks:
+        name = convert(block_hashes[(i + 1) * per_block - 1])
+        out.append(BlockMeta((name,), parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), block_size,
+                             lora_name))
+        parent = name
+    return out
 
 
 def loadable_blocks(num_keys: int, num_tokens: int, block_size: int) -> int:

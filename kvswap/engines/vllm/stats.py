@@ -9,6 +9,7 @@ import os
 import tempfile
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from typing import Any
 
 #: Lookup latencies kept for the percentiles (the most recent ones).
@@ -34,6 +35,8 @@ class ConnectorStats:
         self.lookup_s: deque[float] = deque(maxlen=MAX_SAMPLES)
         self.counts: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
+        #: More parts of the summary, each read when it is written (the KV events forwarder's counts).
+        self.sections: dict[str, Callable[[], dict[str, Any]]] = {}
         self._written = 0.0
 
     def lookup(self, seconds: float, keys: int, hits: int) -> None:
@@ -63,7 +66,7 @@ class ConnectorStats:
         return {"counts": dict(self.counts), "errors": dict(self.errors),
                 "lookup_ms": {"n": len(ordered), "p50": percentile(ordered, 50) * 1e3,
                               "p99": percentile(ordered, 99) * 1e3, "max": (ordered[-1] * 1e3 if ordered else 0.0)},
-                "policy": policy.describe()}
+                "policy": policy.describe(), **{name: read() for name, read in self.sections.items()}}
 
     def maybe_write(self, policy: Any) -> None:
         if self.path and time.monotonic() - self._written >= WRITE_EVERY_S:

@@ -16,10 +16,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvswap.protocol.client import Client
 from kvswap.protocol.errors import InvalidLayout, KvswapError, NotRegistered
+from kvswap.protocol.kv_events import BlockMeta
 from kvswap.protocol.messages import SwapOut
 
 from .memory import CacheFacts, SharedKVAllocation, build_registration
-from .plan import Backoff, resolve_endpoints
+from .plan import Backoff, block_meta_setting, resolve_endpoints
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -36,6 +37,9 @@ class Transfer:
     req_id: str
     keys: list[str]
     block_ids: list[int]
+    #: Saves: per key, what kvswapd's KV events name the record by (the scheduler builds them
+    #: unless ``block_meta`` is false; the worker sends them when events are on).
+    metas: list[BlockMeta] | None = None
 
 
 @dataclass
@@ -84,6 +88,10 @@ class WorkerSide:
         self.registration: dict[str, Any] | None = None
         self.write_slots = 0
         self.registered = False
+        #: Send each save's block metadata: the ``block_meta`` setting, or (auto) whether the
+        #: daemon publishes KV events, asked at each registration.
+        self.block_meta = block_meta_setting(extra)
+        self.send_meta = bool(self.block_meta)
         self.backoff = Backoff(float(extra.get("retry_s", 5.0)))
         self._errors: set[int] = set()
         self._inflight: list[int] = []  # ids of swap_out requests sent, replies not collected
@@ -127,8 +135,19 @@ class WorkerSide:
         reply = self.client.register(self.registration)
         self.registered = True
         self.write_slots = int(reply.get("write_slots") or 0)
-        log.info("kvswap connector: registered with %s, namespace %s, %d regions", self.endpoint,
-                 reply.get("namespace"), len(self.registration["regions"]))
+        if self.block_meta is None:
+            self.send_meta = self._daemon_publishes_events()
+        log.info("kvswap connector: registered with %s, namespace %s, %d regions%s", self.endpoint,
+                 reply.get("namespace"), len(self.registration["regions"]),
+                 "; saves name their blocks for KV events" if self.send_meta else "")
+
+    def _daemon_publishes_events(self) -> bool:
+        assert self.client is not None
+        try:
+            events = self.client.stats().get("kv_events")
+        except KvswapError:
+            return self.send_meta  # keep what the last answer said
+        return isinstance(events, dict) and bool(events.get("enabled"))
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """One kvswap call; registers first where the daemon does not know this engine (it
@@ -202,8 +221,10 @@ class WorkerSide:
             for save in meta.saves:
                 step = max(1, self.write_slots or len(save.keys))
                 for i in range(0, len(save.keys), step):
-                    body = {"block_ids": tuple(save.block_ids[i:i + step]), "keys": tuple(save.keys[i:i + step]),
-                            "wait": "copied", "partial": True}
+                    body: dict[str, Any] = {"block_ids": tuple(save.block_ids[i:i + step]),
+                                            "keys": tuple(save.keys[i:i + step]), "wait": "copied", "partial": True}
+                    if self.send_meta and save.metas:
+                        body["block_meta"] = tuple(m.to_wire() for m in save.metas[i:i + step])
                     self._inflight.append(self.client.send(SwapOut, body, timeout=self.timeout))
         except KvswapError as exc:
             # Nothing to undo: the blocks are simply not offloaded.
