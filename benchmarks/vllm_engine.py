@@ -14,6 +14,14 @@ to stdout too, so answers carry a marker):
 - ``{"op": "exit"}``: shut the engine down (the connector writes its stats file)
 
 Without ``--endpoint`` the engine runs with no connector (its own prefix cache only).
+
+KV events: ``--kv-events-config JSON`` is vLLM's ``--kv-events-config``; ``--connector-extra
+JSON`` adds keys to the connector's ``kv_connector_extra_config`` (``kv_events_endpoint``, ...).
+``--kv-events-log PATH`` subscribes, in this process, to the engine's own published stream and
+writes each batch as one JSON line ``{"seq", "ts", "events": [{"type": ..., field: value}]}``,
+decoded with vLLM's ``KVEventBatch`` (bytes as ``"hex:..."``). Its SUB socket binds the
+config's ``endpoint`` (vLLM's publisher connects to a ``tcp://host:port`` endpoint; it binds only
+``*`` ones), before the engine starts, so no batch is published before it listens.
 """
 
 from __future__ import annotations
@@ -172,15 +180,69 @@ def build_engine(args: argparse.Namespace) -> Any:
         extra = {"endpoint": args.endpoint, "load_policy": args.load_policy}
         if args.stats_file:
             extra["stats_file"] = args.stats_file
+        extra.update(json.loads(args.connector_extra or "{}"))
         kv_transfer = KVTransferConfig(kv_connector="KvswapConnector",
                                        kv_connector_module_path="kvswap.engines.vllm.connector",
                                        kv_role="kv_both", kv_load_failure_policy="recompute",
                                        kv_connector_extra_config=extra)
+    kv_events: dict[str, Any] = {}
+    if args.kv_events_config:
+        from vllm.config import KVEventsConfig
+
+        kv_events["kv_events_config"] = KVEventsConfig(**json.loads(args.kv_events_config))
     return LLM(model=args.model, skip_tokenizer_init=True, dtype="bfloat16",
                block_size=args.block_size, distributed_executor_backend="uni", enable_prefix_caching=True,
                max_model_len=args.max_model_len, seed=0, disable_log_stats=False,
                kv_cache_memory_bytes=args.cache_blocks * args.block_bytes, kv_transfer_config=kv_transfer,
-               max_num_batched_tokens=args.max_model_len)
+               max_num_batched_tokens=args.max_model_len, **kv_events)
+
+
+class EventLog:
+    """The engine's published KV events, decoded with vLLM's own ``KVEventBatch``, one JSON line
+    per batch (a thread of the engine process; see the module's docstring)."""
+
+    def __init__(self, endpoint: str, path: str) -> None:
+        import zmq
+
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.bind(endpoint)
+        self._out = open(path, "a")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kv-events-log")
+        self._thread.start()
+
+    def _run(self) -> None:
+        import msgspec
+        from vllm.distributed.kv_events import KVEventBatch
+
+        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        while not self._stop.is_set():
+            if not self._sub.poll(100):
+                continue
+            _topic, seq, payload = self._sub.recv_multipart()
+            batch = decoder.decode(payload)
+            events = [{"type": type(e).__name__, **{f: _jsonable(getattr(e, f)) for f in e.__struct_fields__}}
+                      for e in batch.events]
+            self._out.write(json.dumps({"seq": int.from_bytes(seq, "big"), "ts": batch.ts, "events": events}) + "\n")
+            self._out.flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sub.close(0)
+        self._ctx.term()
+        self._out.close()
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return "hex:" + value.hex()
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
 
 
 def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
@@ -230,8 +292,14 @@ def main() -> int:
     parser.add_argument("--block-bytes", type=int, required=True, help="bytes of one block over all layers")
     parser.add_argument("--cache-blocks", type=int, default=256, help="the engine's own KV cache, in blocks")
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--connector-extra", default="", help="JSON: more kv_connector_extra_config keys")
+    parser.add_argument("--kv-events-config", default="", help="JSON: vLLM's --kv-events-config")
+    parser.add_argument("--kv-events-log", default="", help="write the engine's published KV events here")
     args = parser.parse_args()
     started = time.perf_counter()
+    event_log = None
+    if args.kv_events_log:
+        event_log = EventLog(json.loads(args.kv_events_config)["endpoint"], args.kv_events_log)
     llm = build_engine(args)
     answer({"ready": True, "startup_s": time.perf_counter() - started})
     for line in sys.stdin:
@@ -249,6 +317,8 @@ def main() -> int:
         else:
             answer({"error": f"unknown op {op!r}"})
     llm.llm_engine.engine_core.shutdown()
+    if event_log is not None:
+        event_log.close()
     answer({"bye": True})
     return 0
 
