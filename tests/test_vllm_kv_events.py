@@ -339,7 +339,11 @@ def held_after(events: list[dict[str, Any]], ownership: str) -> set[Any]:
 
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
-def test_vllm_publishes_kvswaps_blocks_with_the_engines_names(vllm_python, tmp_path: Path) -> None:  # noqa: F811
+@pytest.mark.parametrize("int_hashes", [True, False], ids=["int-hashes", "bytes-hashes"])
+def test_vllm_publishes_kvswaps_blocks_with_the_engines_names(vllm_python, tmp_path: Path,  # noqa: F811
+                                                              int_hashes: bool) -> None:
+    """``int_hashes``: vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (1, its default: a block is named
+    by its hash's low 64 bits; 0: by the hash's bytes)."""
     daemon, ports = events_daemon(tmp_path)
     _, _, pub, replay = ports
     mod = _load_engine_module()
@@ -350,7 +354,7 @@ def test_vllm_publishes_kvswaps_blocks_with_the_engines_names(vllm_python, tmp_p
     extra = {"kv_events_endpoint": f"tcp://127.0.0.1:{pub}", "kv_events_replay_endpoint": f"tcp://127.0.0.1:{replay}",
              "retry_s": 0.2}
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    env.pop("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", None)  # vLLM's default: int hashes
+    env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "1" if int_hashes else "0"
     started = time.monotonic()
     engine = mod.EngineProcess(vllm_python, [
         "--model", model, "--endpoint", daemon.endpoint, "--stats-file", str(stats), "--block-size", str(BLOCK),
@@ -385,7 +389,11 @@ def test_vllm_publishes_kvswaps_blocks_with_the_engines_names(vllm_python, tmp_p
                             and e["token_ids"][:BLOCK] == prompt[:BLOCK])
         assert prompt_event["parent_block_hash"] is None
         names = prompt_event["block_hashes"][:blocks]
-        assert len(names) == blocks and all(isinstance(h, int) for h in names)
+        assert len(names) == blocks
+        if int_hashes:
+            assert all(isinstance(h, int) and 0 <= h < 2**64 for h in names)
+        else:  # sha256 digests (the log writes bytes as "hex:...")
+            assert all(isinstance(h, str) and len(bytes.fromhex(h.removeprefix("hex:"))) == 32 for h in names)
         for medium, ownership in (("CPU", "kvswap:host"), ("STORAGE", "kvswap:file")):
             assert set(kv[medium]) == set(names), f"{medium}: kvswap's blocks are not the engine's"
             for i, h in enumerate(names):
