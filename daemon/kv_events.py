@@ -68,6 +68,8 @@ MAX_PENDING_METAS: Final = 1 << 16
 MAX_NAME_BYTES: Final = 256 << 20
 #: How often the publisher looks for replay requests while no events come.
 REPLAY_POLL_S: Final = 0.05
+#: Shortest time between two whole-state announcements asked for by replays from before the buffer.
+RESTATE_INTERVAL_S: Final = 10.0
 #: Messages a replay may queue for one subscriber (ZMQ drops the rest; it asks again).
 REPLAY_HWM: Final = 10_000
 
@@ -252,6 +254,14 @@ class EventLedger(RecordEvents):
         with self._cond:
             self._cond.notify_all()
 
+    def request_reset(self) -> None:
+        """Publish a reset and the whole state next (a subscriber asked to replay batches the
+        buffer no longer holds)."""
+        with self._cond:
+            self._reset = True
+            self._queue.clear()
+            self._cond.notify()
+
     # -- under the lock ----------------------------------------------------------------------------------
 
     def _name(self, namespace: str, key: str) -> BlockMeta:
@@ -337,6 +347,8 @@ class EventPublisher:
         self._seq = 0
         self.replays = 0
         self.bad_replays = 0
+        self.restates = 0
+        self._last_restate: float | None = None
         self._stopping = threading.Event()
         self._pub = ctx.socket(zmq.PUB)
         self._replay: zmq.Socket | None = None
@@ -406,6 +418,18 @@ class EventPublisher:
         while self._buffered > self.buffer_bytes and self._buffer:
             self._buffered -= len(self._buffer.popleft()[1])
 
+    def _restate(self) -> None:
+        """A replay from before the buffer cannot rebuild a subscriber's view; a reset and the
+        whole state, published to everyone, can (at most every RESTATE_INTERVAL_S, so replay
+        requests cannot make the daemon re-announce everything in a loop)."""
+        now = time.monotonic()
+        if self._last_restate is not None and now - self._last_restate < RESTATE_INTERVAL_S:
+            return
+        self._last_restate = now
+        self.restates += 1
+        log.info("KV events: a replay asked for batches older than the buffer; publishing the whole state")
+        self.ledger.request_reset()
+
     def _serve_replays(self) -> None:
         if self._replay is None:
             return
@@ -421,6 +445,9 @@ class EventPublisher:
             self.replays += 1
             client, empty, start = frames
             first = int.from_bytes(start, "big")
+            oldest = self._buffer[0][0] if self._buffer else self._seq
+            if first < oldest:
+                self._restate()
             try:
                 for seq, payload in list(self._buffer):
                     if seq >= first:
@@ -436,5 +463,5 @@ def describe_for_stats(ledger: EventLedger | None, publisher: EventPublisher | N
         return {"enabled": False}
     return {"enabled": True, "endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
             "batches": publisher.published, "events": ledger.events, "resets": ledger.resets,
-            "replays": publisher.replays, "bad_replays": publisher.bad_replays,
+            "replays": publisher.replays, "bad_replays": publisher.bad_replays, "restates": publisher.restates,
             "name_bytes": ledger._name_bytes, "names_dropped": ledger.names_dropped}

@@ -33,7 +33,8 @@ def _endpoints() -> tuple[str, str]:
 
 def _daemon(store: Path, pub: str, replay: str, **extra: object) -> InProcessDaemon:
     config: dict[str, object] = dict(kv_events_endpoint=pub, kv_events_replay_endpoint=replay,
-                                     host_tier_bytes=24 * RECORD, storage_max_bytes=40 * FILE_BYTES,
+                                     # RAM: 8 records and the idle staging slots (12), half the file tier.
+                                     host_tier_bytes=8 * RECORD, storage_max_bytes=40 * FILE_BYTES,
                                      # Small staging: idle staging slots hold RAM records too.
                                      write_staging_bytes=8 * RECORD, read_staging_bytes=4 * RECORD,
                                      maintenance_interval_s=0.05)
@@ -75,7 +76,7 @@ def test_a_late_subscriber_rebuilds_every_tier_through_churn_and_a_restart(tmp_p
         cache.fill_random(7)
         with _daemon(store, pub, replay) as d, Client(d.endpoint, timeout=20) as c:
             namespace = c.register(cache)["namespace"]
-            # Past both caps: 10 chains of 8 (80 records; RAM holds 24, the file tier 40).
+            # Past both caps: 10 chains of 8 (80 records; RAM holds at most 20, the file tier 40).
             for chain in _chains("a", 10, 8):
                 universe += chain
                 c.swap_out(list(range(len(chain))), chain, wait="persisted")
@@ -377,5 +378,33 @@ def test_a_namespace_no_longer_served_is_removed_and_announced_again_when_it_ret
             assert sub.view.keys("kvswap:host") == {"y0"}
             c.register(first)  # back: its scan announces its records again
             assert wait_until(lambda: (sub.catch_up(), sub.view.keys("kvswap:file") == {"x0", "x1", "x2"})[1], 15)
+        finally:
+            sub.close()
+
+
+def test_a_subscriber_later_than_the_replay_buffer_gets_the_whole_state(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The buffer keeps 4 KiB of batches, far less than the history: a replay from 0 makes the
+    daemon publish a reset and the whole state, from which the subscriber starts."""
+    from kvswap.daemon import kv_events
+
+    monkeypatch.setattr(kv_events, "RESTATE_INTERVAL_S", 0.0)  # every catch-up may ask (in-process daemon)
+    pub, replay = _endpoints()
+    universe: list[str] = []
+    with HostKVCache.create(LAYOUT) as cache, _daemon(tmp_path / "s", pub, replay, kv_events_buffer_bytes=4096) as d, \
+            Client(d.endpoint, timeout=20) as c:
+        cache.fill_random(4)
+        namespace = c.register(cache)["namespace"]
+        for chain in _chains("h", 6, 8):
+            universe += chain
+            c.swap_out(list(range(len(chain))), chain, wait="persisted")
+        publisher = d.daemon.kv_publisher
+        assert publisher is not None
+        assert wait_until(lambda: publisher._buffer and publisher._buffer[0][0] > 0, timeout=10)  # 0 is gone
+        sub = Subscriber(pub, replay)
+        try:
+            sub.join()
+            _assert_matches(sub, d, c, namespace, universe)
+            assert publisher.restates >= 1
         finally:
             sub.close()

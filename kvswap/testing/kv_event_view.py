@@ -111,6 +111,14 @@ class Subscriber:
         if seq < self.next_seq:
             return  # applied already (replay and live overlap)
         self._held_back[seq] = events
+        if self.next_seq not in self._held_back:
+            # A batch that starts with a reset is a place to start from: what came before it
+            # (older than the daemon's replay buffer, say) no longer matters.
+            resets = [s for s, evs in self._held_back.items()
+                      if s > self.next_seq and evs and isinstance(evs[0], AllBlocksCleared)]
+            if resets:
+                self.next_seq = min(resets)
+                self._held_back = {s: evs for s, evs in self._held_back.items() if s >= self.next_seq}
         while self.next_seq in self._held_back:
             for event in self._held_back.pop(self.next_seq):
                 self.view.apply(event)
