@@ -22,7 +22,7 @@ from kvswap.protocol.kv_events import (
     encode_batch,
     metas_from_wire,
 )
-from kvswap.testing.kv_event_view import TierView
+from kvswap.protocol.kv_events_subscriber import TierView
 
 hashes = st.one_of(st.binary(min_size=1, max_size=64), st.integers(0, 2**64 - 1))
 maybe_str = st.one_of(st.none(), st.text(max_size=20))

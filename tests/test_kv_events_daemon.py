@@ -18,7 +18,7 @@ from kvswap.backends.file_layout import record_name
 from kvswap.daemon.kv_events import EventLedger
 from kvswap.protocol import CacheLayout, Client, HostKVCache
 from kvswap.protocol.kv_events import BlockMeta, BlockStored, END_SEQ, seq_bytes
-from kvswap.testing.kv_event_view import Subscriber
+from kvswap.protocol.kv_events_subscriber import Subscriber
 
 from support import InProcessDaemon, free_port, wait_until
 
@@ -93,7 +93,7 @@ def test_a_late_subscriber_rebuilds_every_tier_through_churn_and_a_restart(tmp_p
             assert c.swap_in([victim], [60]).status == ["corrupt"]
 
             # The subscriber joins now, long after the first batches: replay brings them.
-            sub = Subscriber(pub, replay)
+            sub = Subscriber(pub, replay, keep_stored=True)
             try:
                 sub.join()
                 _assert_matches(sub, d, c, namespace, universe)
@@ -118,7 +118,7 @@ def test_a_late_subscriber_rebuilds_every_tier_through_churn_and_a_restart(tmp_p
             namespace = c.register(cache)["namespace"]
             files = d.daemon.swapper.registrar.namespaces[namespace].stores["file"]
             assert wait_until(lambda: files.scan_complete.is_set(), timeout=15)  # type: ignore[attr-defined]
-            sub = Subscriber(pub, replay)
+            sub = Subscriber(pub, replay, keep_stored=True)
             try:
                 sub.join()
                 _assert_matches(sub, d, c, namespace, universe)
@@ -133,7 +133,7 @@ def test_a_subscriber_across_a_restart_drops_what_the_old_daemon_announced(tmp_p
     pub, replay = _endpoints()
     with HostKVCache.create(LAYOUT) as cache:
         cache.fill_random(3)
-        sub = Subscriber(pub, replay)
+        sub = Subscriber(pub, replay, keep_stored=True)
         try:
             with _daemon(store, pub, replay) as d, Client(d.endpoint, timeout=20) as c:
                 namespace = c.register(cache)["namespace"]
@@ -162,7 +162,7 @@ def test_block_meta_names_records_with_the_engine_hashes_and_the_chain_gives_par
             Client(d.endpoint, timeout=20) as c:
         cache.fill_random(1)
         c.register(cache)
-        sub = Subscriber(pub, replay)
+        sub = Subscriber(pub, replay, keep_stored=True)
         try:
             c.swap_out([0, 1, 2, 3, 4], ["m0", "m1", "m2", "m3", "plain"], wait="persisted", block_meta=[*metas, None])
             assert wait_until(lambda: (sub.catch_up(), len(sub.view.stored) >= 10)[1], timeout=15)
@@ -200,7 +200,7 @@ def test_another_daemons_eviction_in_a_shared_directory_is_found_by_the_rescan_a
             cb.register(cache)
             keys = [f"s{i}" for i in range(8)]
             cb.swap_out(list(range(8)), keys, wait="persisted")
-            sub = Subscriber(pub_b, replay_b)
+            sub = Subscriber(pub_b, replay_b, keep_stored=True)
             try:
                 sub.join()
                 assert wait_until(lambda: (sub.catch_up(), sub.view.keys("kvswap:file") == set(keys))[1], timeout=15)
@@ -308,7 +308,7 @@ def test_the_remote_tier_is_told_apart_as_remote_storage(tmp_path: Path) -> None
             c.register(cache)
             keys = [f"r{i}" for i in range(5)]
             c.swap_out(list(range(5)), keys, wait="persisted")
-            sub = Subscriber(pub, replay)
+            sub = Subscriber(pub, replay, keep_stored=True)
             try:
                 sub.join()
                 assert wait_until(lambda: (sub.catch_up(), sub.view.keys("kvswap:remote") == set(keys))[1], timeout=15)
@@ -342,7 +342,7 @@ def test_a_restart_announces_records_under_the_names_their_headers_kept(tmp_path
                        block_meta=[*metas, None])
         with _daemon(store, pub, replay, host_tier_bytes=0, write_staging_bytes=16 * big.record_bytes) as d, Client(d.endpoint, timeout=20) as c:
             c.register(cache)
-            sub = Subscriber(pub, replay)
+            sub = Subscriber(pub, replay, keep_stored=True)
             try:
                 sub.join()
                 assert wait_until(lambda: (sub.catch_up(), len(sub.view.held[("STORAGE", "kvswap:file")]) == 5)[1],
@@ -368,7 +368,7 @@ def test_a_namespace_no_longer_served_is_removed_and_announced_again_when_it_ret
         second.fill_random(2)
         c.register(first)
         c.swap_out([0, 1, 2], ["x0", "x1", "x2"], wait="persisted")
-        sub = Subscriber(pub, replay)
+        sub = Subscriber(pub, replay, keep_stored=True)
         try:
             sub.join()
             assert wait_until(lambda: (sub.catch_up(), sub.view.keys("kvswap:file") == {"x0", "x1", "x2"})[1], 15)
@@ -401,10 +401,51 @@ def test_a_subscriber_later_than_the_replay_buffer_gets_the_whole_state(tmp_path
         publisher = d.daemon.kv_publisher
         assert publisher is not None
         assert wait_until(lambda: publisher._buffer and publisher._buffer[0][0] > 0, timeout=10)  # 0 is gone
-        sub = Subscriber(pub, replay)
+        sub = Subscriber(pub, replay, keep_stored=True)
         try:
             sub.join()
             _assert_matches(sub, d, c, namespace, universe)
             assert publisher.restates >= 1
         finally:
             sub.close()
+
+
+def test_kvswap_events_shows_what_the_events_say_each_tier_holds(tmp_path: Path) -> None:
+    import json
+
+    pub, replay = _endpoints()
+    with HostKVCache.create(LAYOUT) as cache, _daemon(tmp_path / "s", pub, replay) as d, \
+            Client(d.endpoint, timeout=20) as c:
+        cache.fill_random(6)
+        c.register(cache)
+        c.swap_out([0, 1, 2], ["e0", "e1", "e2"], wait="persisted",
+                   block_meta=[BlockMeta((b"\xab" * 32,), None, (7, 8)), None, None])
+        c.delete(["e2"])
+        c.flush()
+        sub = Subscriber(pub, replay)
+        try:  # published, and in the replay buffer, before the command asks
+            sub.join()
+            assert wait_until(lambda: (sub.catch_up(), sub.view.held[("STORAGE", "kvswap:file")] ==
+                                       {b"\xab" * 32, b"e1"})[1], timeout=15)
+        finally:
+            sub.close()
+        cli = [sys.executable, "-m", "kvswap.daemon.tools.admin", "events", pub, "--replay", replay]
+        done = subprocess.run([*cli, "--json"], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout.splitlines()[-1])["summary"] == {"kvswap:file": 2, "kvswap:host": 2}
+        done = subprocess.run([*cli, "--follow", "--seconds", "0.5", "--json"], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        events = [json.loads(line) for line in done.stdout.splitlines() if '"seq"' in line]
+        assert events[0]["type"] == "AllBlocksCleared" and events[0]["seq"] == 0
+        stored = [e for e in events if e["type"] == "BlockStored"]
+        assert {(e["ownership"], e["block_hashes"][0]) for e in stored} == {
+            (tier, h) for tier in ("kvswap:host", "kvswap:file") for h in ("ab" * 32, "e1", "e2")}
+        assert {e["parent_block_hash"] for e in stored if e["block_hashes"] == ["e1"]} == {"ab" * 32}
+        removed = [e for e in events if e["type"] == "BlockRemoved"]
+        assert sorted(e["ownership"] for e in removed) == ["kvswap:file", "kvswap:host"]
+        text = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+        assert text.returncode == 0 and "kvswap:host" in text.stdout and "batches replayed" in text.stdout
+        nobody = subprocess.run([*cli[:-1], f"tcp://127.0.0.1:{free_port()}", "--timeout", "0.5"],
+                                capture_output=True, text=True, timeout=60)
+        assert nobody.returncode == 1 and "no answer from the replay socket" in nobody.stderr

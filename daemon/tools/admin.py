@@ -35,9 +35,11 @@ from .keygen import keygen  # noqa: E402  (CURVE keys; its own module)
 
 main.add_command(keygen)
 
+from .events_command import events  # noqa: E402  (what a daemon's KV events say each tier holds)
 from .launcher import launch  # noqa: E402  (one kvswapd per GPU beside a server)
 from .status import status  # noqa: E402  (a running daemon at a glance)
 
+main.add_command(events)
 main.add_command(launch)
 main.add_command(status)
 

@@ -1,58 +1,73 @@
 """A KV-events subscriber that rebuilds, from events alone, what each tier holds: what a
-cache-aware router does with kvswapd's stream (docs/protocol.md, "KV events").
+cache-aware router does with kvswapd's stream (docs/protocol.md, "KV events"). ``kvswap
+events`` runs it for an operator; the tests compare its view with the tiers' own indexes.
 
 It joins the way a late router must: subscribe to the PUB socket first (so nothing published
 from then on is missed), ask the replay socket for everything buffered from sequence 0, then
-apply each batch once, in sequence order. A sequence number that goes back to 0 is a restarted
-daemon: its first batch (AllBlocksCleared) resets the view.
+apply each batch once, in sequence order. A batch 0 with another timestamp than the one
+applied is a restarted daemon; a batch that begins with AllBlocksCleared (a restart, an
+overflow, a replay from before the buffer) is a place to start from, whatever came before.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import Hashable
+from typing import Callable, Hashable
 
 import zmq
 
-from kvswap.protocol.kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, Event, decode_batch, seq_bytes
+from .kv_events import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, Event, decode_batch, seq_bytes
+
+
+def hash_text(h: Hashable) -> str:
+    """A block hash as text: a key's own bytes (blocks named by their key), else hex; an int
+    in decimal."""
+    if isinstance(h, bytes):
+        return h.decode() if h.isascii() and h.decode().isprintable() else h.hex()
+    return str(h)
 
 
 class TierView:
-    """``(medium, ownership) -> set of block hashes``, from events applied in order."""
+    """``(medium, ownership) -> set of block hashes``, from events applied in order; with
+    ``keep_stored`` also every BlockStored applied, in order (tests look at their fields)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_stored: bool = False) -> None:
         self.held: defaultdict[tuple[str | None, str | None], set[Hashable]] = defaultdict(set)
+        self.keep_stored = keep_stored
         self.stored: list[BlockStored] = []
 
     def apply(self, event: Event) -> None:
         if isinstance(event, BlockStored):
             self.held[(event.medium, event.ownership)].update(event.block_hashes)
-            self.stored.append(event)
+            if self.keep_stored:
+                self.stored.append(event)
         elif isinstance(event, BlockRemoved):
             self.held[(event.medium, event.ownership)].difference_update(event.block_hashes)
         elif isinstance(event, AllBlocksCleared):
             self.held.clear()
 
     def keys(self, ownership: str) -> set[str]:
-        """The keys a tier holds (``ownership`` "kvswap:host", "kvswap:file", "kvswap:remote"),
-        for blocks named by their key (no ``block_meta``)."""
-        return {h.decode() if isinstance(h, bytes) else str(h)
-                for (_, owner), hashes in self.held.items() if owner == ownership for h in hashes}
+        """What a tier holds (``ownership`` "kvswap:host", "kvswap:file", "kvswap:remote") as
+        :func:`hash_text`: the keys, for blocks named by their key (no ``block_meta``)."""
+        return {hash_text(h) for (_, owner), hashes in self.held.items() if owner == ownership for h in hashes}
 
 
 class Subscriber:
     """A SUB socket on ``endpoint`` and a DEALER on ``replay_endpoint``; :meth:`join` replays,
-    :meth:`poll` applies what arrived. Not thread-safe."""
+    :meth:`poll` applies what arrived; ``on_batch(seq, events)`` is told each batch applied.
+    Not thread-safe."""
 
-    def __init__(self, endpoint: str, replay_endpoint: str, topic: bytes = b"") -> None:
+    def __init__(self, endpoint: str, replay_endpoint: str, topic: bytes = b"", keep_stored: bool = False,
+                 on_batch: Callable[[int, list[Event]], None] | None = None) -> None:
         self._ctx = zmq.Context()
         self.sub = self._ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic)
         self.sub.setsockopt(zmq.LINGER, 0)
         self.sub.connect(endpoint)
         self.replay_endpoint = replay_endpoint
-        self.view = TierView()
+        self.view = TierView(keep_stored)
+        self.on_batch = on_batch
         #: The next sequence number to apply.
         self.next_seq = 0
         self.batches = 0
@@ -120,8 +135,11 @@ class Subscriber:
                 self.next_seq = min(resets)
                 self._held_back = {s: evs for s, evs in self._held_back.items() if s >= self.next_seq}
         while self.next_seq in self._held_back:
-            for event in self._held_back.pop(self.next_seq):
+            batch = self._held_back.pop(self.next_seq)
+            for event in batch:
                 self.view.apply(event)
+            if self.on_batch is not None:
+                self.on_batch(self.next_seq, batch)
             self.next_seq += 1
             self.batches += 1
 
