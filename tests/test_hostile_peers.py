@@ -106,7 +106,10 @@ def test_rss_stays_bounded_with_a_client_that_never_reads(daemon: DaemonProcess)
     base = answered(daemon)
     flood = hostile(daemon, "echo", 200, 0, read=False)  # 200 frames of 3.8 MB, replies never read
     try:
-        assert wait_until(lambda: answered(daemon) >= base + 200, 60), "the daemon did not answer every frame"
+        # Usually 1-3 s; seen at 12, 16 and (once, in a full run) over 60 s on this 2-core VM, with
+        # the daemon idle: the transport to a peer whose TCP window stays shut, not the daemon's
+        # work. The bounds this test is for are the RSS ones below.
+        assert wait_until(lambda: answered(daemon) >= base + 200, 180), "the daemon did not answer every frame"
         during, peak = rss_mib(pid), rss_mib(pid, "VmHWM")
         with Client(daemon.endpoint, timeout=10) as other:
             assert other.ping() > 0
