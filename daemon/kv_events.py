@@ -102,7 +102,7 @@ class EventLedger(RecordEvents):
         self._block_size: dict[str, int] = {}
         #: What the kept names cost in memory (an estimate, :func:`_name_cost`), and the names
         #: not kept because they would have passed MAX_NAME_BYTES.
-        self._name_bytes = 0
+        self.name_bytes = 0
         self.names_dropped = 0
         self._queue: deque[Event] = deque()
         #: After a reset: the held records as they were then, still to be announced.
@@ -134,13 +134,7 @@ class EventLedger(RecordEvents):
                 previous = name.block_hashes[-1]
                 if i == 0 and meta is None:
                     continue  # the key alone, no parent: the default name, nothing to keep
-                entry = (namespace, key)
-                held = self._held.get(namespace, {}).get(key)
-                if held:
-                    continue  # already announced under the name it has; names do not change
-                if self._set_name(entry, name):
-                    self._pending[entry] = None
-                    self._pending.move_to_end(entry)
+                self._name_pending(namespace, key, name)
             self._trim_pending()
 
     def annotation(self, namespace: str, key: str) -> bytes:
@@ -157,11 +151,8 @@ class EventLedger(RecordEvents):
         except (KvswapError, ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
             return
         with self._cond:
-            if not self._held.get(namespace, {}).get(key):
-                entry = (namespace, key)
-                if self._set_name(entry, name):
-                    self._pending[entry] = None
-                    self._trim_pending()
+            self._name_pending(namespace, key, name)
+            self._trim_pending()
 
     # -- RecordEvents: what the stores report --------------------------------------------------------
 
@@ -282,23 +273,33 @@ class EventLedger(RecordEvents):
                            name.block_size or self._block_size.get(namespace, 0), medium, locality, ownership,
                            name.lora_name)
 
+    def _name_pending(self, namespace: str, key: str, name: BlockMeta) -> None:
+        """Name a record about to land (its swap_out's, or its header's after a restart). One
+        already held keeps the name it was announced by: names never change under a router."""
+        if self._held.get(namespace, {}).get(key):
+            return
+        entry = (namespace, key)
+        if self._set_name(entry, name):
+            self._pending[entry] = None
+            self._pending.move_to_end(entry)
+
     def _set_name(self, entry: tuple[str, str], name: BlockMeta) -> bool:
         """Keep ``name`` for ``entry`` if the names' memory budget allows; False when it does
         not (the key names the record then, in every event about it: consistent, only not the
         engine's name)."""
         self._drop_name(entry)
         cost = _name_cost(name)
-        if self._name_bytes + cost > MAX_NAME_BYTES:
+        if self.name_bytes + cost > MAX_NAME_BYTES:
             self.names_dropped += 1
             return False
         self._names[entry] = name
-        self._name_bytes += cost
+        self.name_bytes += cost
         return True
 
     def _drop_name(self, entry: tuple[str, str]) -> None:
         name = self._names.pop(entry, None)
         if name is not None:
-            self._name_bytes -= _name_cost(name)
+            self.name_bytes -= _name_cost(name)
 
     def _trim_pending(self) -> None:
         while len(self._pending) > MAX_PENDING_METAS:
@@ -475,4 +476,4 @@ def describe_for_stats(ledger: EventLedger | None, publisher: EventPublisher | N
     return {"enabled": True, "endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
             "batches": publisher.published, "events": ledger.events, "resets": ledger.resets,
             "replays": publisher.replays, "bad_replays": publisher.bad_replays, "restates": publisher.restates,
-            "name_bytes": ledger._name_bytes, "names_dropped": ledger.names_dropped}
+            "name_bytes": ledger.name_bytes, "names_dropped": ledger.names_dropped}

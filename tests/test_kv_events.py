@@ -241,13 +241,13 @@ def test_names_past_their_memory_budget_are_not_kept_and_the_key_names_the_recor
     ledger = EventLedger()
     ledger.take(0)
     ledger.expect("ns", ["a", "b", "c"], [big, BlockMeta((b"\x02" * 32,), None, tuple(range(1000))), big])
-    assert ledger.names_dropped == 1 and ledger._name_bytes == 2 * kv_events._name_cost(big)
+    assert ledger.names_dropped == 1 and ledger.name_bytes == 2 * kv_events._name_cost(big)
     ledger.stored("host", "ns", ["a", "b", "c"])
     a, b, c = ledger.take(0)
     assert a.token_ids == big.token_ids and c.block_hashes == (b"c",) and c.token_ids == ()
     ledger.removed("host", "ns", ["a", "b", "c"])
     assert [e.block_hashes for e in ledger.take(0)] == [(b"\x01" * 32, b"\x02" * 32, b"c")]
-    assert ledger._name_bytes == 0  # the names went with their records
+    assert ledger.name_bytes == 0  # the names went with their records
 
 
 def test_an_overflowing_queue_becomes_a_reset_with_the_whole_state(monkeypatch):
