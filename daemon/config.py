@@ -265,16 +265,20 @@ def _events_endpoint_problem(endpoint: str) -> str:
     host, sep, port = endpoint[len("tcp://"):].rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
         return "needs a port: tcp://127.0.0.1:PORT"
-    host = host.strip("[]")
-    if host != "localhost":
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = False
-        if not loopback:
-            return ("is not a loopback address: KV events carry token ids and their sockets have no CURVE, so "
-                    "bind them to 127.0.0.1, ::1 or ipc:// (see docs/configuration.md, KV events)")
+    if not is_loopback(host.strip("[]")):
+        return ("is not a loopback address: KV events carry token ids and their sockets have no CURVE, so "
+                "bind them to 127.0.0.1, ::1 or ipc:// (see docs/configuration.md, KV events)")
     return ""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is this machine's loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _bind_address_problem(host: str, may_be_empty: bool = False) -> str:

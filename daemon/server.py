@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import ipaddress
 import logging
 import os
 import signal
@@ -39,7 +38,7 @@ from kvswap.protocol.limits import MAX_MESSAGE_BYTES
 
 from . import fds
 from .admission import RequestBudget
-from .config import Config
+from .config import Config, is_loopback
 from .connections import ConnectionGate
 from .curve import CurveError, CurveServer
 from .dispatch import Dispatcher
@@ -222,7 +221,7 @@ class Daemon:
         except OSError as exc:
             raise StartupError(f"storage directory {self.file_backend.root} cannot be used: {exc.strerror or exc}") from None
         _warn_if_writable_by_others(self.file_backend.root)
-        if not _is_loopback(cfg.host) and self.curve is None:
+        if not is_loopback(cfg.host) and self.curve is None:
             log.warning("the control socket listens on %s, beyond loopback, without authentication: anyone who "
                         "reaches it can read and overwrite cached KV blocks", cfg.host)
         self.swapper.start()
@@ -390,15 +389,6 @@ def _warn_if_writable_by_others(root: str) -> None:
 
 def _zmq_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def run(config: Config) -> int:
