@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import zmq
@@ -48,6 +49,16 @@ def _truth(d: InProcessDaemon, namespace: str, universe: list[str]) -> dict[str,
     host, file = tiers["host"], tiers["file"]
     return {"kvswap:host": {k for k in universe if host.contains(k)},
             "kvswap:file": {k for k in universe if record_name(k) in file.index}}  # type: ignore[attr-defined]
+
+
+def _caught_up(condition: Callable[[], bool], sub: Subscriber, timeout: float = 15) -> bool:
+    """Whether ``condition`` came to hold within ``timeout``, the subscriber caught up (live and
+    replay) before each look."""
+    def check() -> bool:
+        sub.catch_up()
+        return condition()
+
+    return wait_until(check, timeout)
 
 
 def _matches(sub: Subscriber, d: InProcessDaemon, namespace: str, universe: list[str]) -> bool:
@@ -165,7 +176,7 @@ def test_block_meta_names_records_with_the_engine_hashes_and_the_chain_gives_par
         sub = Subscriber(pub, replay, keep_stored=True)
         try:
             c.swap_out([0, 1, 2, 3, 4], ["m0", "m1", "m2", "m3", "plain"], wait="persisted", block_meta=[*metas, None])
-            assert wait_until(lambda: (sub.catch_up(), len(sub.view.stored) >= 10)[1], timeout=15)
+            assert _caught_up(lambda: len(sub.view.stored) >= 10, sub)
             by_tier = {(e.ownership, e.block_hashes): e for e in sub.view.stored}
             for tier in ("kvswap:host", "kvswap:file"):
                 first = by_tier[(tier, (hashes[0],))]
@@ -177,8 +188,7 @@ def test_block_meta_names_records_with_the_engine_hashes_and_the_chain_gives_par
                 plain = by_tier[(tier, (b"plain",))]
                 assert plain.parent_block_hash == hashes[3] and plain.token_ids == ()
             c.delete(["m1"])
-            assert wait_until(lambda: (sub.catch_up(), hashes[1] not in sub.view.held[("CPU", "kvswap:host")])[1],
-                              timeout=15)
+            assert _caught_up(lambda: hashes[1] not in sub.view.held[("CPU", "kvswap:host")], sub)
             assert hashes[1] not in sub.view.held[("STORAGE", "kvswap:file")]
         finally:
             sub.close()
@@ -203,10 +213,9 @@ def test_another_daemons_eviction_in_a_shared_directory_is_found_by_the_rescan_a
             sub = Subscriber(pub_b, replay_b, keep_stored=True)
             try:
                 sub.join()
-                assert wait_until(lambda: (sub.catch_up(), sub.view.keys("kvswap:file") == set(keys))[1], timeout=15)
+                assert _caught_up(lambda: sub.view.keys("kvswap:file") == set(keys), sub)
                 assert ca.delete(keys[4:]) == 4  # A removes half of B's records
-                assert wait_until(lambda: (sub.catch_up(), sub.view.keys("kvswap:file") == set(keys[:4]))[1],
-                                  timeout=15)
+                assert _caught_up(lambda: sub.view.keys("kvswap:file") == set(keys[:4]), sub)
                 files = b.daemon.swapper.registrar.namespaces[ns].stores["file"]
                 assert {k for k in keys if record_name(k) in files.index} == set(keys[:4])  # type: ignore[attr-defined]
             finally:
@@ -311,15 +320,14 @@ def test_the_remote_tier_is_told_apart_as_remote_storage(tmp_path: Path) -> None
             sub = Subscriber(pub, replay, keep_stored=True)
             try:
                 sub.join()
-                assert wait_until(lambda: (sub.catch_up(), sub.view.keys("kvswap:remote") == set(keys))[1], timeout=15)
+                assert _caught_up(lambda: sub.view.keys("kvswap:remote") == set(keys), sub)
                 assert {e.locality for e in sub.view.stored if e.ownership == "kvswap:remote"} == {"REMOTE"}
                 assert {e.medium for e in sub.view.stored if e.ownership == "kvswap:remote"} == {"STORAGE"}
                 assert sub.view.keys("kvswap:file") == set(keys)
                 c.delete(keys[:2])
-                assert wait_until(lambda: (sub.catch_up(), sub.view.keys("kvswap:remote") == set(keys[2:]))[1],
-                                  timeout=15)
+                assert _caught_up(lambda: sub.view.keys("kvswap:remote") == set(keys[2:]), sub)
                 c.clear()
-                assert wait_until(lambda: (sub.catch_up(), not any(sub.view.held.values()))[1], timeout=15)
+                assert _caught_up(lambda: not any(sub.view.held.values()), sub)
             finally:
                 sub.close()
     finally:
@@ -345,16 +353,14 @@ def test_a_restart_announces_records_under_the_names_their_headers_kept(tmp_path
             sub = Subscriber(pub, replay, keep_stored=True)
             try:
                 sub.join()
-                assert wait_until(lambda: (sub.catch_up(), len(sub.view.held[("STORAGE", "kvswap:file")]) == 5)[1],
-                                  timeout=15)
+                assert _caught_up(lambda: len(sub.view.held[("STORAGE", "kvswap:file")]) == 5, sub)
                 announced = {e.block_hashes[0]: e for e in sub.view.stored}
                 for i, h in enumerate(hashes):
                     assert announced[h].token_ids == metas[i].token_ids
                     assert announced[h].parent_block_hash == (hashes[i - 1] if i else None)
                 assert announced[b"plain"].parent_block_hash == hashes[3]  # the chain's, kept too
                 c.delete(["n2"])  # and removed under that name
-                assert wait_until(lambda: (sub.catch_up(), hashes[2] not in sub.view.held[("STORAGE", "kvswap:file")])[1],
-                                  timeout=15)
+                assert _caught_up(lambda: hashes[2] not in sub.view.held[("STORAGE", "kvswap:file")], sub)
             finally:
                 sub.close()
 
@@ -371,13 +377,13 @@ def test_a_namespace_no_longer_served_is_removed_and_announced_again_when_it_ret
         sub = Subscriber(pub, replay, keep_stored=True)
         try:
             sub.join()
-            assert wait_until(lambda: (sub.catch_up(), sub.view.keys("kvswap:file") == {"x0", "x1", "x2"})[1], 15)
+            assert _caught_up(lambda: sub.view.keys("kvswap:file") == {"x0", "x1", "x2"}, sub)
             c.register(second)  # another layout: the first namespace's stores close
             c.swap_out([0], ["y0"], wait="persisted")
-            assert wait_until(lambda: (sub.catch_up(), sub.view.keys("kvswap:file") == {"y0"})[1], 15)
+            assert _caught_up(lambda: sub.view.keys("kvswap:file") == {"y0"}, sub)
             assert sub.view.keys("kvswap:host") == {"y0"}
             c.register(first)  # back: its scan announces its records again
-            assert wait_until(lambda: (sub.catch_up(), sub.view.keys("kvswap:file") == {"x0", "x1", "x2"})[1], 15)
+            assert _caught_up(lambda: sub.view.keys("kvswap:file") == {"x0", "x1", "x2"}, sub)
         finally:
             sub.close()
 
@@ -425,8 +431,7 @@ def test_kvswap_events_shows_what_the_events_say_each_tier_holds(tmp_path: Path)
         sub = Subscriber(pub, replay)
         try:  # published, and in the replay buffer, before the command asks
             sub.join()
-            assert wait_until(lambda: (sub.catch_up(), sub.view.held[("STORAGE", "kvswap:file")] ==
-                                       {b"\xab" * 32, b"e1"})[1], timeout=15)
+            assert _caught_up(lambda: sub.view.held[("STORAGE", "kvswap:file")] == {b"\xab" * 32, b"e1"}, sub)
         finally:
             sub.close()
         cli = [sys.executable, "-m", "kvswap.daemon.tools.admin", "events", pub, "--replay", replay]
