@@ -18,7 +18,8 @@ from kvswap.common.units import round_up_to_page
 
 from .layout import CacheLayout
 
-NUMPY_DTYPES = {"float16": np.float16, "bfloat16": np.uint16, "uint8": np.uint8, "float32": np.float32}
+NUMPY_DTYPES = {"float16": np.float16, "bfloat16": np.uint16, "uint8": np.uint8, "float32": np.float32,
+                "float8_e4m3fn": np.uint8, "float8_e5m2": np.uint8}
 
 
 def _align(n: int) -> int:

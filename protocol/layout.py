@@ -26,14 +26,18 @@ from .errors import InvalidLayout
 from .limits import MAX_BLOCK_ID, MAX_REGIONS
 
 #: Bytes per element of each supported cache dtype. ``uint8`` is an fp8 cache, which carries
-#: per-layer scale tensors.
+#: per-layer scale tensors; ``float32`` is the cache of CPU engines without bf16 (vLLM-CPU picks
+#: it on processors without AVX-512 BF16); ``float8_*`` are vLLM's fp8 caches, whose scales are
+#: per-layer scalars of the model, not tensors of the cache, so they carry no scale regions.
 DTYPE_SIZES: Final[dict[str, int]] = {
     "float16": 2,
     "bfloat16": 2,
     "uint8": 1,
     "float32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
 }
-CACHE_DTYPES: Final = frozenset({"float16", "bfloat16", "uint8"})
+CACHE_DTYPES: Final = frozenset({"float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "uint8"})
 
 #: Upper bounds of the layout's integers, so every size derived from them (a block's bytes, a
 #: record's, a region's span) stays far inside 64 bits and can be answered in an error reply.

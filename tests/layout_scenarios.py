@@ -32,7 +32,7 @@ def layouts(draw) -> CacheLayout:
         block_size=draw(st.integers(1, 4)),
         num_kv_heads=draw(st.integers(1, 2)),
         head_dim=draw(st.integers(1, 8)),
-        dtype=draw(st.sampled_from(["bfloat16", "float16", "uint8"])),
+        dtype=draw(st.sampled_from(["bfloat16", "float16", "float32", "float8_e4m3fn", "uint8"])),
         has_values=draw(st.booleans()),
         scale_dtype=draw(st.sampled_from(["float32", "float16"])),
     )

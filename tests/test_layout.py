@@ -226,7 +226,7 @@ INVALID: list[tuple[str, dict[str, Any]]] = [
     ("string block size", {"block_size": "4"}),
     ("float head dim", {"head_dim": 8.0}),
     ("unknown dtype", {"dtype": "int4"}),
-    ("float32 is not a cache dtype", {"dtype": "float32"}),
+    ("float64 is not a cache dtype", {"dtype": "float64"}),
     ("dtype case", {"dtype": "BF16"}),
     ("unknown scale dtype", {"scale_dtype": "fp4"}),
     ("empty model id", {"model_id": ""}),

@@ -36,7 +36,10 @@ log = logging.getLogger("vllm.kvswap")
 #: same context); the cache is at least a few blocks of every layer.
 MIN_CACHE_BYTES = 1 << 20
 
-TORCH_DTYPES = {"bfloat16": "bfloat16", "float16": "float16"}
+#: torch's dtype names -> kvswap's. vLLM's fp8 caches keep their scales as per-layer scalars in
+#: the model, so a block's bytes are all there is to move.
+TORCH_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32",
+                "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2"}
 
 
 class SharedKVAllocation:
@@ -183,7 +186,7 @@ def build_registration(kv_caches: dict[str, Any], allocation: SharedKVAllocation
 def _dtype_name(view: Any, previous: str | None) -> str:
     name = str(view.dtype).removeprefix("torch.")
     if name not in TORCH_DTYPES:
-        raise InvalidLayout(f"KV cache dtype {name} is not supported by the connector (bfloat16, float16)")
+        raise InvalidLayout(f"KV cache dtype {name} is not supported by the connector ({', '.join(TORCH_DTYPES)})")
     if previous is not None and name != previous:
         raise InvalidLayout(f"layers mix KV cache dtypes {previous} and {name}")
     return name
