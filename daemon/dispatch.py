@@ -177,7 +177,18 @@ class Dispatcher:
 
     async def _run(self, request: m.Request) -> m.Reply:
         timeout_ms = request.timeout_ms or self.config.default_timeout_ms
-        deadline = Deadline(timeout_ms / 1000)
+        timeout_s = timeout_ms / 1000
+        if request.deadline_ns is not None:
+            timeout_s = min(timeout_s, (request.deadline_ns - time.monotonic_ns()) / 1e9)
+            if timeout_s <= 0:
+                # Read after the sender's deadline (this daemon was stopped, or behind): the
+                # engine may already have reused the blocks, so nothing of it starts.
+                self.metrics.expired_on_arrival.inc()
+                log.warning("%s %d arrived %.0f ms after its deadline_ns; not started", request.op, request.id,
+                            -timeout_s * 1000)
+                return m.Reply(request.id, False, error=Timeout(f"{request.op} arrived after its deadline_ns",
+                                                                timeout_ms=timeout_ms))
+        deadline = Deadline(timeout_s)
         work = asyncio.ensure_future(self.handle(request, deadline))
         try:
             done, _ = await asyncio.wait({work}, timeout=deadline.remaining())

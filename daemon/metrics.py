@@ -41,6 +41,8 @@ class Metrics:
                                       ["code"], registry=r)
         self.late_copies = Counter("kvswap_late_copies", "Requests answered at their deadline while a copy of "
                                    "engine memory had not stopped within 0.5 s (should stay 0).", registry=r)
+        self.expired_on_arrival = Counter("kvswap_expired_on_arrival", "Requests read after their deadline_ns "
+                                          "and answered timeout without starting.", registry=r)
         self.pending_writes = Gauge("kvswap_pending_writes", "Records copied from the engine and not yet written.",
                                     registry=r)
         self.registered = Gauge("kvswap_registered", "1 while an engine cache is registered.", registry=r)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import os
 import time
 from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Sequence, TypeVar
@@ -100,6 +101,9 @@ KeyLike = str | bytes
 
 #: Requests that use the registration: the client attaches its token and pid to these.
 _OWNED = (m.SwapOut, m.SwapIn, m.Unregister)
+#: Requests that copy from or into engine memory: they carry ``deadline_ns`` too, so a daemon
+#: that reads them after the client gave up does not start them (docs/protocol.md, Deadlines).
+_TOUCH_MEMORY = (m.SwapOut, m.SwapIn)
 
 
 def _z85(key: KeyLike, what: str) -> bytes:
@@ -153,7 +157,8 @@ class _Base:
         if cls in _OWNED:
             # Say who sends it, so the daemon applies it only to the registration it is for.
             body = {"pid": os.getpid(), **({"token": self._token} if self._token else {}), **body}
-        request = cls(id=next(self._ids), timeout_ms=max(1, int(timeout * 1000)), **body)
+        deadline_ns = time.monotonic_ns() + int(timeout * 1e9) if cls in _TOUCH_MEMORY else None
+        request = cls(id=next(self._ids), timeout_ms=max(1, int(timeout * 1000)), deadline_ns=deadline_ns, **body)
         return request, timeout
 
     def _socket(self, ctx: zmq.Context[S]) -> S:
@@ -183,20 +188,38 @@ class Client(_Base):
         self._sock.connect(endpoint)
         self._pending: dict[int, m.Request] = {}
         self._replies: dict[int, m.Reply] = {}
+        #: When :meth:`wait` gives up on each pending request (its timeout plus GRACE_S).
+        self._give_up: dict[int, float] = {}
 
     # -- pipelining --------------------------------------------------------------------------
 
-    def send(self, cls: type[m.Request], body: dict[str, Any] | None = None, timeout: float | None = None) -> int:
-        """Send one request without waiting; return its id for :meth:`wait`. A request the
-        daemon would refuse (too many keys, a bad key, a bad field) raises its typed error here
-        and is not sent."""
+    def send(self, cls: type[m.Request], body: dict[str, Any] | None = None, timeout: float | None = None,
+             *, block: bool = True) -> int:
+        """Send one request without waiting for its answer; return its id for :meth:`wait`. A
+        request the daemon would refuse (too many keys, a bad key, a bad field) raises its typed
+        error here and is not sent. Without a live connection it waits up to 1 s for one, or
+        (``block=False``) raises :class:`Unavailable` at once."""
         request, timeout = self._make(cls, body or {}, timeout)
         frame = m.encode_request(request)
-        if not self._sock.poll(int(min(timeout, 1.0) * 1000), zmq.POLLOUT):
+        if not self._sock.poll(int(min(timeout, 1.0) * 1000) if block else 0, zmq.POLLOUT):
             raise Unavailable(f"kvswapd at {self.endpoint} is not reachable", endpoint=self.endpoint)
         self._sock.send(frame)
         self._pending[request.id] = request
+        self._give_up[request.id] = time.monotonic() + timeout + GRACE_S
         return request.id
+
+    def done(self, request_id: int) -> bool:
+        """Whether :meth:`wait` for a sent request would return (or raise) at once: its reply
+        came, or the client's wait for it is over. Never blocks: reads the replies that have
+        arrived. For callers that must not wait, such as an engine's scheduler."""
+        while self._sock.poll(0, zmq.POLLIN):
+            self._take(self._sock.recv())
+        if request_id in self._replies:
+            return True
+        give_up = self._give_up.get(request_id)
+        if give_up is None:
+            raise KeyError(f"request {request_id} was not sent by this client or was already collected")
+        return time.monotonic() >= give_up
 
     def wait(self, request_id: int, timeout: float | None = None) -> dict[str, Any]:
         """The result of a sent request; raises its typed error."""
@@ -204,7 +227,9 @@ class Client(_Base):
         if request is None and request_id not in self._replies:
             raise KeyError(f"request {request_id} was not sent by this client or was already collected")
         limit = (self.timeout if timeout is None else timeout) + GRACE_S
-        deadline = time.monotonic() + limit
+        # Never past the request's own give-up time: the daemon answers by its deadline, so a
+        # reply that has not come by then will not (and done() said so).
+        deadline = min(time.monotonic() + limit, self._give_up.get(request_id, math.inf))
         try:
             while request_id not in self._replies:
                 left = deadline - time.monotonic()
@@ -214,6 +239,7 @@ class Client(_Base):
                     self._take(self._sock.recv())
         finally:
             self._pending.pop(request_id, None)
+            self._give_up.pop(request_id, None)
         reply = self._replies.pop(request_id)
         if not reply.ok:
             assert reply.error is not None

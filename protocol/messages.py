@@ -1,6 +1,7 @@
 """Wire messages, version 1: pure functions over bytes, no I/O.
 
-A request is a msgpack map ``{"v": 1, "id": <uint>, "op": <str>, "timeout_ms": <uint>?, ...}``
+A request is a msgpack map ``{"v": 1, "id": <uint>, "op": <str>, "timeout_ms": <uint>?,
+"deadline_ns": <uint>?, ...}``
 with the op's own fields beside the envelope. A reply is ``{"v": 1, "id": <uint>, "ok": true,
 "result": {...}}`` or ``{"v": 1, "id": <uint>, "ok": false, "error": {"code", "message",
 "details"}}``. A frame whose id cannot be read is answered with ``"id": null``.
@@ -34,6 +35,8 @@ from .limits import (
 )
 
 MAX_REQUEST_ID: Final = 2**64 - 1
+#: The request fields that are not the op's own.
+ENVELOPE: Final = ("id", "timeout_ms", "deadline_ns")
 WAIT_MODES: Final = ("copied", "persisted")
 
 
@@ -115,7 +118,7 @@ def _short_str(name: str, value: Any) -> str:
 @dataclass(frozen=True)
 class Request:
     op: ClassVar[str] = ""
-    #: Field name -> checker; the dataclass fields after ``id``/``timeout_ms``.
+    #: Field name -> checker; the dataclass fields after the envelope's.
     checks: ClassVar[dict[str, Callable[[str, Any], Any]]] = {}
     #: Fields added after version 1 shipped: left off the wire at their default, so frames
     #: stay byte-identical for peers that never use them.
@@ -123,11 +126,15 @@ class Request:
 
     id: int
     timeout_ms: int | None = field(default=None, kw_only=True)
+    #: The latest instant, on this host's CLOCK_MONOTONIC in ns, at which the request may still
+    #: start or touch engine memory: a deadline that does not wait for the frame to be read (a
+    #: daemon stopped or behind must not copy into blocks the engine gave up on).
+    deadline_ns: int | None = field(default=None, kw_only=True)
 
     def body(self) -> dict[str, Any]:
         out = {}
         for f in fields(self):
-            if f.name in ("id", "timeout_ms"):
+            if f.name in ENVELOPE:
                 continue
             value = getattr(self, f.name)
             if f.name in self.omit_default and value == f.default:
@@ -349,7 +356,10 @@ def _build(cls: type[Request], msg: dict[str, Any], request_id: int) -> Request:
     timeout_ms = msg.get("timeout_ms")
     if timeout_ms is not None:
         timeout_ms = _uint(MAX_TIMEOUT_MS)("timeout_ms", timeout_ms)
-    unknown = set(msg) - {"v", "id", "op", "timeout_ms"} - set(cls.checks)
+    deadline_ns = msg.get("deadline_ns")
+    if deadline_ns is not None:
+        deadline_ns = _uint(MAX_REQUEST_ID)("deadline_ns", deadline_ns)
+    unknown = set(msg) - {"v", "op", *ENVELOPE} - set(cls.checks)
     if unknown:
         # Names only, shortened: a reply never repeats more than a few KiB of what a peer sent.
         names = sorted(str(n)[:MAX_ECHO_CHARS] for n in unknown)[:16]
@@ -358,7 +368,7 @@ def _build(cls: type[Request], msg: dict[str, Any], request_id: int) -> Request:
     if missing:
         raise BadRequest(f"missing fields for {cls.op}", fields=missing)
     kwargs = {name: check(name, msg[name]) for name, check in cls.checks.items() if name in msg}
-    request = cls(id=request_id, timeout_ms=timeout_ms, **kwargs)
+    request = cls(id=request_id, timeout_ms=timeout_ms, deadline_ns=deadline_ns, **kwargs)
     request.validate()
     return request
 
@@ -373,6 +383,8 @@ def encode_request(request: Request) -> bytes:
     msg: dict[str, Any] = {"v": PROTOCOL_VERSION, "id": request.id, "op": request.op}
     if request.timeout_ms is not None:
         msg["timeout_ms"] = request.timeout_ms
+    if request.deadline_ns is not None:
+        msg["deadline_ns"] = request.deadline_ns
     msg.update(request.body())
     frame = _pack(msg)
     try:
