@@ -24,6 +24,16 @@ CuPy):
    memory is printed before the engine, with its cache, after registration, and after its
    death.
 
+5. **vLLM layouts** - a torch engine builds vLLM 0.32's GPU KV cache as vLLM does (one int8
+   buffer viewed per layer as ``[blocks, heads, tokens, K|V]`` in a ``KVCacheLayout``: vLLM's own
+   ``create_kv_cache_views`` where vLLM is installed, else the same arithmetic) filled with
+   random bytes, registers it through the connector's ``kvswap.engines.vllm.cuda``, swaps
+   blocks out, scrambles them through vLLM's views, swaps them back in and compares the whole
+   buffer; GB/s of swap_out (copied) and swap_in on a larger cache. Skipped, and said so, where
+   torch or its CUDA is missing.
+
+    python benchmarks/gpu_check.py --only vllm   # just the vLLM layouts
+
 Exit codes: 0 every check passed; 1 a correctness check failed; 2 no CUDA device, driver or
 GPU framework here (nothing was checked); 3 correct, but gather+D2H below 0.8x plain pinned.
 The last line printed is a JSON summary (also written to --json PATH).
@@ -210,6 +220,8 @@ def engine_main(args: argparse.Namespace) -> int:
             elif op == "register":
                 with Client(req["endpoint"], timeout=60) as c:
                     answer = {"result": c.register(caches[req["id"]].export)}
+            elif op == "vllm":
+                answer = engine_vllm(req)
             elif op == "drop":
                 caches.pop(req["id"]).export.tensors.clear()
                 _empty_cache(fw)
@@ -263,6 +275,156 @@ def engine_roundtrip(cache: EngineCache, req: dict) -> dict:
     stray = [b for b in range(n) if b not in targets and after[b] != expected[b]]
     return {"stored": out.stored, "loaded": back.loaded, "wrong_targets": wrong, "stray_blocks": stray,
             "blocks": len(sources), "bytes": len(sources) * cache.layout.record_bytes}
+
+
+# -- vLLM's GPU cache (section 4), in the engine process -------------------------------------------
+
+#: vLLM 0.32's KVCacheLayout (vllm/v1/kv_cache_layout.py): physical order of the logical [L, B, H, N, C].
+VLLM_ORDERS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
+               "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
+
+
+def vllm_cases(quick: bool) -> list[tuple[str, dict[str, Any]]]:
+    """The caches section 4 checks: vLLM's layouts kvswap can describe, one of each kind."""
+    base = dict(layers=3 if quick else 4, num_blocks=40, block_size=16, heads=4, head_dim=64, dtype="bfloat16",
+                ratio=1, mla=False)
+    return [
+        ("FlashAttention LBNHC", {**base, "layout": "LBNHC"}),
+        ("LBHNC, 64-token blocks as 4 kernel blocks", {**base, "layout": "LBHNC", "block_size": 64, "ratio": 4}),
+        ("block-outermost BLNHC fp16", {**base, "layout": "BLNHC", "dtype": "float16"}),
+        ("MLA BLHNC", {**base, "layout": "BLHNC", "heads": 1, "head_dim": 576, "mla": True}),
+    ]
+
+
+def vllm_perf_case(quick: bool) -> dict[str, Any]:
+    if quick:  # 512 KiB records, 32 MiB cache
+        return dict(layout="LBNHC", layers=8, num_blocks=64, block_size=16, heads=8, head_dim=128,
+                    dtype="bfloat16", ratio=1, mla=False)
+    # Llama-3-8B-like on FlashAttention's layout: 2 MiB records, 512 MiB cache.
+    return dict(layout="LBNHC", layers=32, num_blocks=256, block_size=16, heads=8, head_dim=128, dtype="bfloat16",
+                ratio=1, mla=False)
+
+
+def _layout_strides(order: tuple[int, ...], shape: tuple[int, ...], fixed: tuple[int | None, ...]) -> list[int]:
+    """vllm/v1/kv_cache_interface.py compute_layout_strides without page padding."""
+    strides, current = [0] * 5, 1
+    for dim in reversed(order):
+        strides[dim] = fixed[dim] or current
+        current = strides[dim] * shape[dim]
+    return strides
+
+
+def vllm_views(torch: Any, spec: dict[str, Any], names: list[str], device: str) -> tuple[Any, list[Any], str]:
+    """vLLM 0.32's KV cache: allocate_kv_cache's one ``zeros(size, int8)`` and a view per layer
+    from create_kv_cache_views (vLLM's own where it imports here, else the same arithmetic,
+    as kv_cache_utils.get_kv_cache_config_from_groups places one group of layers)."""
+    dtype = getattr(torch, spec["dtype"])
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    layers, blocks, block_size, heads = spec["layers"], spec["num_blocks"], spec["block_size"], spec["heads"]
+    content = spec["head_dim"] * (1 if spec["mla"] else 2)
+    page = heads * block_size * content * itemsize
+    raw = torch.zeros(layers * blocks * page, dtype=torch.int8, device=device)
+    try:
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheTensor,
+            MLAAttentionSpec,
+            compute_layout_strides,
+            create_kv_cache_views,
+        )
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        kind = MLAAttentionSpec if spec["mla"] else FullAttentionSpec
+        vspec = kind(block_size=block_size, num_kv_heads=heads, head_size=spec["head_dim"], dtype=dtype)
+        layout = KVCacheLayout[spec["layout"]]
+        fixed = layers * vspec.page_size_bytes if layout.is_block_outermost else None
+        ls, bs, *_ = compute_layout_strides(vspec, blocks, layers, layout,
+                                            fixed_strides=(None, fixed, None, None, None))
+        tensor = KVCacheTensor(size=raw.numel(), layers=names, layer_stride=ls, block_stride=bs)
+        views = create_kv_cache_views(raw, vspec, blocks, layout, tensor, kernel_block_size=block_size // spec["ratio"])
+        return raw, views, "vLLM's create_kv_cache_views"
+    except Exception as exc:  # noqa: BLE001 - no vLLM here, or another version: the same arithmetic
+        source = f"kvswap's twin of vLLM 0.32 ({type(exc).__name__}: {str(exc)[:80]})"
+    order, ratio = VLLM_ORDERS[spec["layout"]], spec["ratio"]
+    shape = (layers, blocks, heads, block_size, content * itemsize)
+    ls, bs, *_ = _layout_strides(order, shape, (None, layers * page if order[0] == 1 else None, None, None, None))
+    view_shape = (layers, blocks * ratio, heads, block_size // ratio, content * itemsize)
+    strides = _layout_strides(order, view_shape, (ls, bs // ratio, None, None, None))
+    view5 = torch.as_strided(raw, view_shape, strides)
+    return raw, [view5[layer].view(dtype) for layer in range(layers)], source
+
+
+def engine_vllm(req: dict) -> dict:
+    """Section 4 in the engine: vLLM's cache registered through kvswap.engines.vllm.cuda, blocks
+    swapped out, scrambled through vLLM's views, swapped back in; the whole buffer compared."""
+    import torch
+
+    # ``device`` is for running this on a CPU with a stand-in daemon; the check always uses cuda.
+    device = req.get("device", "cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        return {"skipped": f"torch {torch.__version__} sees no CUDA device (torch.cuda.is_available() is False)"}
+    from kvswap.engines.vllm import cuda
+    from kvswap.engines.vllm.memory import CacheFacts
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    spec, ratio = req["spec"], req["spec"]["ratio"]
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(spec["layers"])]
+    raw, views, source = vllm_views(torch, spec, names, device)
+    g = torch.Generator(device=device).manual_seed(req["seed"])
+    raw.copy_(torch.randint(-128, 128, raw.shape, dtype=torch.int8, device=device, generator=g))
+    facts = CacheFacts(f"gpu-check-vllm-{req['prefix']}", num_blocks=spec["num_blocks"],
+                       block_size=spec["block_size"], num_kv_heads=spec["heads"], head_dim=spec["head_dim"])
+    body, keep = cuda.cuda_registration(dict(zip(names, views)), facts)
+    record_bytes = CacheLayout.from_wire(body["layout"]).record_bytes
+    original = raw.clone()
+    blocks, warm = req["blocks"], req.get("warmup") or []
+    calls = [blocks[i:i + req["per_call"]] for i in range(0, len(blocks), req["per_call"])]
+    keys = lambda bs, tag: [f"{req['prefix']}-{tag}-{b}" for b in bs]  # noqa: E731
+    out_s = in_s = 0.0
+    queued = loaded = 0
+    with Client(req["endpoint"], timeout=120) as c:
+        c.register(body)
+        try:
+            if warm:  # staging, kernels and allocator warm before anything is timed
+                c.swap_out(warm, keys(warm, "warm"))
+                c.swap_in(keys(warm, "warm"), warm)
+            for call in calls:
+                sync()
+                t0 = time.perf_counter()
+                r = c.swap_out(call, keys(call, "out"))
+                out_s += time.perf_counter() - t0
+                queued += r.queued + r.stored
+            c.flush(timeout=120)
+            # Scrambled through vLLM's own views (not kvswap's regions): every kernel block of them.
+            rows = torch.tensor([b * ratio + j for b in blocks for j in range(ratio)], device=device)
+            for v in views:
+                bits = v.view(torch.int8)
+                bits[rows] = torch.randint(-128, 128, bits[rows].shape, dtype=torch.int8, device=device, generator=g)
+            sync()
+            scrambled = not torch.equal(raw, original)
+            for call in calls:
+                t0 = time.perf_counter()
+                loaded += c.swap_in(keys(call, "out"), call).loaded
+                in_s += time.perf_counter() - t0
+        finally:
+            c.unregister()
+    sync()
+    wrong = [b for b in blocks if any(not torch.equal(v.view(torch.int8)[b * ratio:(b + 1) * ratio],
+                                                      o.view(torch.int8)[b * ratio:(b + 1) * ratio])
+                                      for v, o in zip(views, _same_views(views, raw, original)))]
+    return {"queued": queued, "loaded": loaded, "blocks": len(blocks), "exact": bool(torch.equal(raw, original)),
+            "scrambled": scrambled, "wrong_blocks": wrong, "block_order": keep.block_order, "views": source,
+            "regions": len(body["regions"]), "handles": len(body["handles"]), "record_bytes": record_bytes,
+            "bytes": len(blocks) * record_bytes, "swap_out_s": out_s, "swap_in_s": in_s}
+
+
+def _same_views(views: list[Any], raw: Any, other: Any) -> list[Any]:
+    """``views`` with the same shape, strides and offset into ``other`` as into ``raw``."""
+    import torch
+
+    base = raw.data_ptr()
+    return [torch.as_strided(other.view(v.dtype), v.shape, v.stride(), (v.data_ptr() - base) // v.element_size())
+            for v in views]
 
 
 class Engine:
@@ -384,6 +546,29 @@ def check_daemon(report: Report, engine: Engine, endpoint: str, kind: str, layou
     report.record(f"daemon round trip {kind}", good,
                   f"stored {r['stored']}, loaded {r['loaded']}/{len(sources)}"
                   + ("" if good else f", wrong {r['wrong_targets']}, stray {r['stray_blocks']}"))
+
+
+def check_kinds(report: Report, engine: Engine, endpoint: str, backends: list[str], quick: bool,
+                rng: np.random.Generator) -> None:
+    """Section 1: every layout kind through each daemon backend's mover and a real daemon."""
+    for i, kind in enumerate(KINDS):
+        layout = kind_layout(kind, quick)
+        try:
+            info = engine.ask("create", id=kind, layout=layout.to_wire(), shared=kind in SHARED_ALLOCATION, seed=i)
+            say(f"  {kind}: {len(layout.regions)} regions, record {layout.record_bytes} bytes, "
+                f"{info['handles']} IPC handle(s)")
+            body = load_registration(info["registration"])
+            for backend in backends:
+                check_mover(report, engine, backend, kind, layout, kind, body, rng)
+            check_daemon(report, engine, endpoint, kind, layout, kind)
+        except Exception as exc:
+            report.record(f"{kind}", False, f"{type(exc).__name__}: {exc}")
+            traceback.print_exc()
+        finally:
+            try:
+                engine.ask("drop", id=kind)
+            except Exception:
+                pass
 
 
 def timed(fn, repeat: int) -> float:
@@ -518,6 +703,63 @@ def check_lifecycle(report: Report, engine_fw: str, workdir: str, endpoint: str,
     return numbers
 
 
+def check_vllm_layouts(report: Report, workdir: str, endpoint: str, quick: bool) -> dict:
+    """Section 4: vLLM's GPU cache through the connector's registration (kvswap.engines.vllm.cuda)."""
+    if importlib.util.find_spec("torch") is None:
+        return skip_section("vLLM layouts", "torch is not installed here (vLLM's cache is torch tensors)")
+    engine = Engine("torch", workdir, Path(workdir) / "engine-vllm.log")
+    numbers: dict[str, Any] = {"cases": []}
+    try:
+        for i, (name, spec) in enumerate(vllm_cases(quick)):
+            n = spec["num_blocks"]
+            blocks = [0, 7, 8, 9, 21, n - 1]
+            try:
+                r = engine.ask("vllm", spec=spec, endpoint=endpoint, blocks=blocks, per_call=len(blocks), seed=40 + i,
+                               prefix=f"vllm{i}")
+            except Exception as exc:
+                report.record(f"vllm {name}", False, f"{type(exc).__name__}: {exc}")
+                continue
+            if r.get("skipped"):
+                return skip_section("vLLM layouts", r["skipped"])
+            good = r["exact"] and r["scrambled"] and r["queued"] == len(blocks) and r["loaded"] == len(blocks)
+            report.record(f"vllm {name}", good,
+                          f"{r['regions']} regions, {r['handles']} handle(s), in-block order {r['block_order']}, "
+                          f"queued {r['queued']}, loaded {r['loaded']}/{len(blocks)}"
+                          + ("" if good else f", scrambled {r['scrambled']}, wrong blocks {r['wrong_blocks']}"),
+                          views=r["views"])
+            numbers["cases"].append({"case": name, **r})
+        spec = vllm_perf_case(quick)
+        n, per_call, calls = spec["num_blocks"], 16 if quick else 24, 3 if quick else 4
+        blocks = list(range(2, 2 + calls * per_call))  # 0 and 1 warm up
+        try:
+            r = engine.ask("vllm", spec=spec, endpoint=endpoint, blocks=blocks, per_call=per_call, warmup=[0, 1],
+                           seed=77, prefix="vllmperf")
+        except Exception as exc:
+            report.record("vllm bandwidth", False, f"{type(exc).__name__}: {exc}")
+            return numbers
+        if r.get("skipped"):
+            return skip_section("vLLM layouts", r["skipped"])
+        gbps = lambda s: r["bytes"] / s / 1e9 if s else 0.0  # noqa: E731
+        numbers.update(record_bytes=r["record_bytes"], bytes=r["bytes"], swap_out_GBps=gbps(r["swap_out_s"]),
+                       swap_in_GBps=gbps(r["swap_in_s"]), views=r["views"])
+        say(f"  {spec['layout']} {spec['layers']} layers, {n} blocks: {len(blocks)} records of "
+            f"{r['record_bytes'] / 2**20:.1f} MiB in calls of {per_call}, through a real kvswapd")
+        say(f"    swap_out (copied) {numbers['swap_out_GBps']:7.2f} GB/s   "
+            f"swap_in {numbers['swap_in_GBps']:7.2f} GB/s")
+        good = r["exact"] and r["scrambled"] and r["queued"] == len(blocks) and r["loaded"] == len(blocks)
+        report.record("vllm bandwidth round trip byte-exact", good,
+                      "" if good else f"queued {r['queued']}, loaded {r['loaded']}, wrong blocks {r['wrong_blocks']}")
+    finally:
+        engine.close()
+    return numbers
+
+
+def skip_section(name: str, reason: str) -> dict:
+    """A section that cannot run here: said so, not counted as a failure."""
+    say(f"  [SKIP] {name}: {reason}")
+    return {"skipped": reason}
+
+
 # ========================================================================================= main
 
 
@@ -559,6 +801,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the summary here")
     ap.add_argument("--engine", default="auto", choices=["auto", "torch", "paddle", "cupy"])
     ap.add_argument("--backends", default="auto", help="comma list of daemon backends to check (paddle,cupy)")
+    ap.add_argument("--only", default="all", choices=["all", "kinds", "bandwidth", "lifecycle", "vllm"],
+                    help="run one section: layout kinds, bandwidth, lifecycle or vLLM layouts (default: all)")
     ap.add_argument("--role", default="check", choices=["check", "engine"], help=argparse.SUPPRESS)
     ap.add_argument("--framework", help=argparse.SUPPRESS)
     ap.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -572,6 +816,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"gpu_check: {env['devices']} CUDA device(s), {env['device_uuid']}; engine plays with {fw}; "
         f"daemon backends: {', '.join(backends)}")
     report = Report()
+    wants = lambda section: args.only in ("all", section)  # noqa: E731
     rng = np.random.default_rng(2024)
     summary: dict[str, Any] = {"env": env, "engine": fw, "backends": backends}
     from kvswap.daemon.tools.local_daemon import LocalDaemon
@@ -583,42 +828,34 @@ def main(argv: list[str] | None = None) -> int:
         daemon = LocalDaemon(str(Path(workdir) / "store"), ["--engine-check-interval-s", "0.2"], log=daemon_log)
         try:
             daemon.start()
-            say("\n1. mover and daemon round trips, byte-exact, per layout kind")
-            for i, kind in enumerate(KINDS):
-                layout = kind_layout(kind, args.quick)
-                try:
-                    info = engine.ask("create", id=kind, layout=layout.to_wire(), shared=kind in SHARED_ALLOCATION,
-                                      seed=i)
-                    say(f"  {kind}: {len(layout.regions)} regions, record {layout.record_bytes} bytes, "
-                        f"{info['handles']} IPC handle(s)")
-                    body = load_registration(info["registration"])
-                    for backend in backends:
-                        check_mover(report, engine, backend, kind, layout, kind, body, rng)
-                    check_daemon(report, engine, daemon.endpoint, kind, layout, kind)
-                except Exception as exc:
-                    report.record(f"{kind}", False, f"{type(exc).__name__}: {exc}")
-                    traceback.print_exc()
-                finally:
+            if wants("kinds"):
+                say("\n1. mover and daemon round trips, byte-exact, per layout kind")
+                check_kinds(report, engine, daemon.endpoint, backends, args.quick, rng)
+            if wants("bandwidth"):
+                say("\n2. bandwidth")
+                perf = []
+                for backend in backends:
                     try:
-                        engine.ask("drop", id=kind)
-                    except Exception:
-                        pass
-            say("\n2. bandwidth")
-            perf = []
-            for backend in backends:
-                try:
-                    perf.append(check_bandwidth(report, engine, backend, args.quick, rng))
-                except Exception as exc:
-                    report.record(f"bandwidth {backend}", False, f"{type(exc).__name__}: {exc}")
-                    traceback.print_exc()
-            summary["bandwidth"] = perf
+                        perf.append(check_bandwidth(report, engine, backend, args.quick, rng))
+                    except Exception as exc:
+                        report.record(f"bandwidth {backend}", False, f"{type(exc).__name__}: {exc}")
+                        traceback.print_exc()
+                summary["bandwidth"] = perf
             engine.close()
-            say("\n3. lifecycle: the engine dies, its GPU memory comes back")
-            try:
-                summary["memory"] = check_lifecycle(report, fw, workdir, daemon.endpoint, args.quick, 0)
-            except Exception as exc:
-                report.record("lifecycle", False, f"{type(exc).__name__}: {exc}")
-                traceback.print_exc()
+            if wants("lifecycle"):
+                say("\n3. lifecycle: the engine dies, its GPU memory comes back")
+                try:
+                    summary["memory"] = check_lifecycle(report, fw, workdir, daemon.endpoint, args.quick, 0)
+                except Exception as exc:
+                    report.record("lifecycle", False, f"{type(exc).__name__}: {exc}")
+                    traceback.print_exc()
+            if wants("vllm"):
+                say("\n4. vLLM layouts: vLLM's GPU cache registered through kvswap.engines.vllm.cuda")
+                try:
+                    summary["vllm"] = check_vllm_layouts(report, workdir, daemon.endpoint, args.quick)
+                except Exception as exc:
+                    report.record("vllm layouts", False, f"{type(exc).__name__}: {exc}")
+                    traceback.print_exc()
         finally:
             engine.close()
             code = daemon.stop()
