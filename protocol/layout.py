@@ -104,6 +104,12 @@ class CacheLayout:
     #: K and V of a layer packed in one tensor, both inside each block: one ``kv.<layer>``
     #: region per layer instead of ``k.<layer>`` and ``v.<layer>`` (see the module docstring).
     packed_kv: bool = False
+    #: The order of the axes inside one block of a region, where the engine's differs from the
+    #: order documented for its regions (e.g. ``NHC``: tokens, heads, channels, a GPU vLLM on
+    #: FlashAttention, against the CPU engine's heads first). Records of two orders hold the
+    #: same bytes in different places, so the order is part of the fingerprint; empty (the
+    #: documented order) leaves fingerprints as they were before the field existed.
+    block_order: str = ""
     regions: tuple[Region, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -167,6 +173,8 @@ class CacheLayout:
             "tp_size": self.tp_size,
             "regions": [[r.name, r.block_bytes] for r in self.regions],
         }
+        if self.block_order:
+            meaning["block_order"] = self.block_order
         canonical = json.dumps(meaning, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(canonical).hexdigest()[:32]
 
@@ -175,6 +183,8 @@ class CacheLayout:
         wire.pop("regions", None)
         if not self.packed_kv:  # a daemon from before packed layouts still accepts the rest
             wire.pop("packed_kv")
+        if not self.block_order:
+            wire.pop("block_order")
         return wire
 
     @classmethod
@@ -198,6 +208,9 @@ class CacheLayout:
 
         if not isinstance(self.model_id, str) or not 0 < len(self.model_id) <= 256:
             raise InvalidLayout("model_id must be a non-empty string of at most 256 characters")
+        if not isinstance(self.block_order, str) or len(self.block_order) > 16 or \
+                not (self.block_order.isascii() and self.block_order.isalpha() or not self.block_order):
+            raise InvalidLayout("block_order must be at most 16 ASCII letters", field="block_order")
         for name in ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "tp_size"):
             positive(name, getattr(self, name))
         positive("tp_rank", self.tp_rank, 0)

@@ -288,3 +288,15 @@ def test_from_wire_refuses_unhashable_dtype() -> None:
 def test_layout_is_immutable() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         make().num_blocks = 9  # type: ignore[misc]
+
+
+def test_block_order_separates_namespaces_only_when_set() -> None:
+    base = make()
+    assert make(block_order="").fingerprint() == base.fingerprint()  # layouts from before keep theirs
+    assert "block_order" not in base.to_wire()
+    nhc, hnc = make(block_order="NHC"), make(block_order="HNC")
+    assert len({base.fingerprint(), nhc.fingerprint(), hnc.fingerprint()}) == 3
+    assert CacheLayout.from_wire(nhc.to_wire()) == nhc
+    for bad in ("N-H", "x" * 17, 3, "NHÇ"):
+        with pytest.raises(InvalidLayout):
+            make(block_order=bad)

@@ -29,9 +29,10 @@ allocation that holds them, which the driver names (``cuMemGetAddressRange``, th
 allocation, so one handle; a buffer the caching allocator carved from a larger segment is
 described as it is.
 
-The byte order inside a block (:attr:`CachePlan.block_order`, e.g. ``NHC`` for LBNHC) is not
-part of kvswap's namespace today: a GPU engine on LBNHC and a CPU engine (LBHNC) of the same
-model and shape write records of the same namespace whose bytes are ordered differently.
+The byte order inside a block (:attr:`CachePlan.block_order`, e.g. ``NHC`` for LBNHC) goes into
+the layout's ``block_order``, so it is part of the namespace: a GPU engine on LBNHC and a CPU
+engine (LBHNC) of the same model and shape order a block's bytes differently, and must not
+read each other's records.
 
 Importing this module needs neither torch nor CUDA: torch tensors are read through their
 attributes (:func:`describe_view`), and the layout logic (:func:`plan_cache`,
@@ -170,7 +171,7 @@ def plan_cache(views: Mapping[str, LayerView], facts: CacheFacts) -> CachePlan:
     layout = CacheLayout(facts.model_id, num_layers=len(spans), num_blocks=facts.num_blocks,
                          block_size=facts.block_size, num_kv_heads=facts.num_kv_heads, head_dim=facts.head_dim,
                          dtype=memory.TORCH_DTYPES[dtype_name], tp_rank=facts.tp_rank, tp_size=facts.tp_size,
-                         has_values=not keys_only, packed_kv=not keys_only)
+                         has_values=not keys_only, packed_kv=not keys_only, block_order=first[1].order)
     regions = []
     for region, (name, view, block) in zip(layout.regions, spans):
         # Follows from the shape checks; kept as the one statement the daemon relies on.
