@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import DaemonProcess, free_port
+from support import DaemonProcess, free_port, wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
@@ -131,7 +131,10 @@ def engine(vllm_python, kvswapd, tmp_path_factory):
     proc = mod.EngineProcess(vllm_python, ["--model", model, "--endpoint", kvswapd.endpoint, "--stats-file", str(stats),
                                            "--block-size", str(BLOCK), "--block-bytes", str(BLOCK_BYTES),
                                            "--cache-blocks", "80", "--max-model-len", "2048",
-                                           "--load-policy", "always"],
+                                           "--load-policy", "always",
+                                           # Long enough for a load held by a stopped daemon (below)
+                                           # on a busy machine.
+                                           "--connector-extra", json.dumps({"timeout_s": 15})],
                              str(work / "engine.log"), env=env)
     print(f"\n[vllm] engine up in {time.monotonic() - started:.1f} s (log {work / 'engine.log'})")
     proc.stats_path = stats
@@ -164,6 +167,54 @@ def test_repeated_prefix_loads_from_kvswap_and_matches(engine, kvswapd):
     assert again["logprobs"] == pytest.approx(first["logprobs"], abs=1e-6)
 
 
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_load_held_back_does_not_hold_the_other_requests(engine, kvswapd):
+    """Loads are asynchronous: a request whose load is out waits (vLLM's WAITING_FOR_REMOTE_KVS)
+    while the others keep decoding, and its load lands whole once the daemon answers."""
+    prompt = _prompt(4, PROMPT_TOKENS)
+    reference = engine.generate([prompt], 8)[0]
+    assert engine.call({"op": "reset_prefix_cache"})["ok"]
+    loaded_before = kvswapd.metric("kvswap_blocks_total", op="swap_in", status="loaded")
+    pid = kvswapd.proc.pid
+    # The daemon stops right after it answered the lookup that finds the stored prefix: the
+    # load goes out to a daemon that does not answer.
+    assert engine.call({"op": "kill_after_lookup", "pid": pid, "signal": int(signal.SIGSTOP)})["ok"]
+    resumed = None
+    try:
+        held = engine.submit(prompt, 8)
+        assert wait_until(lambda: _state(pid) == "T", timeout=60)
+        other = engine.submit(_prompt(5, 100), 24)  # nothing stored: computes and decodes
+        decoded = engine.result(other, timeout_s=60)
+        assert _state(pid) == "T"  # all of it while the load was held
+        assert len(decoded["tokens"]) == 24
+        # Every token of the other request came before the daemon could answer the load.
+        os.kill(pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        assert decoded["arrival_s"] + decoded["token_times_s"][-1] < resumed
+    finally:
+        if resumed is None:
+            os.kill(pid, signal.SIGCONT)
+    got = engine.result(held, timeout_s=120)
+    # It waited for its load and then used all of it: the same answer as computing it.
+    assert got["arrival_s"] + got["ttft_s"] > resumed
+    assert got["num_cached_tokens"] == STORED
+    assert kvswapd.metric("kvswap_blocks_total", op="swap_in", status="loaded") - loaded_before == STORED // BLOCK
+    assert got["tokens"] == reference["tokens"]
+    assert got["logprobs"] == pytest.approx(reference["logprobs"], abs=1e-6)
+
+    # The other request's lookup went to the stopped daemon too, and timed out: the connector
+    # stopped asking for ``retry_s``, then serves hits again.
+    def loads_again() -> bool:
+        assert engine.call({"op": "reset_prefix_cache"})["ok"]
+        return engine.generate([prompt], 1)[0]["num_cached_tokens"] == STORED
+
+    assert wait_until(loads_again, timeout=120)
+
+
 def test_daemon_killed_between_lookup_and_load_recomputes(engine, kvswapd):
     prompt = _prompt(2, PROMPT_TOKENS)
     reference = engine.generate([prompt], 8)[0]
@@ -186,3 +237,34 @@ def test_daemon_killed_between_lookup_and_load_recomputes(engine, kvswapd):
     # start of each next step), not only at shutdown.
     assert stats["counts"]["blocks_saved"] >= 2 * STORED // BLOCK
     print(f"\n[vllm] connector stats: {json.dumps(stats)}")
+
+
+def test_a_float32_cache_is_offloaded_too(vllm_python, tmp_path):
+    """CPUs without bf16 run vLLM with a float32 KV cache: it is registered and served like any
+    other (it once logged an error and ran without offload)."""
+    daemon = DaemonProcess(tmp_path / "store", free_port(), free_port()).start()
+    mod = _load_engine_module()
+    model = mod.make_model_dir(str(tmp_path / "model"), LAYERS, HIDDEN, HEADS, KV_HEADS, 512, 1024)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    log = tmp_path / "engine.log"
+    engine = mod.EngineProcess(vllm_python, ["--model", model, "--endpoint", daemon.endpoint, "--dtype", "float32",
+                                             "--block-size", str(BLOCK), "--block-bytes", str(BLOCK_BYTES * 2),
+                                             "--cache-blocks", "80", "--max-model-len", "2048",
+                                             "--load-policy", "always"], str(log), env=env)
+    try:
+        prompt = _prompt(6, PROMPT_TOKENS)
+        first = engine.generate([prompt], 8)[0]
+        assert engine.call({"op": "reset_prefix_cache"})["ok"]
+        again = engine.generate([prompt], 8)[0]
+        assert again["num_cached_tokens"] == STORED
+        assert daemon.metric("kvswap_blocks_total", op="swap_in", status="loaded") == STORED // BLOCK
+        assert again["tokens"] == first["tokens"]
+        assert again["logprobs"] == pytest.approx(first["logprobs"], abs=1e-6)
+    finally:
+        engine.close()
+        daemon.stop()
+    assert "running without offload" not in log.read_text(errors="replace")
+    # Four bytes an element: each record holds twice a bf16 block (plus its header).
+    records = list((tmp_path / "store").rglob("*.kvr"))
+    assert len(records) >= STORED // BLOCK
+    assert all(2 * BLOCK_BYTES < r.stat().st_size <= 2 * BLOCK_BYTES + 8192 for r in records)

@@ -4,21 +4,24 @@
         "kv_connector_module_path": "kvswap.engines.vllm.connector",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}'
 
-Scheduler side (:class:`SchedulerSide`): for a new request, ``lookup`` the engine's chained
-block hashes past what the engine's own prefix cache holds; claim the stored prefix as an
-external hit only when the load policy (:mod:`.policy`) expects loading to beat
-recomputing; plan a ``swap_in`` into the blocks vLLM allocates, and a ``swap_out`` of every
-block the step completes.
+Scheduler side (:class:`SchedulerSide`): for a new request, send a ``lookup`` of the
+engine's chained block hashes past what the engine's own prefix cache holds to every rank's
+daemon and answer "ask again" (None) until all replied (:mod:`.lookups`: the scheduler never
+waits on a round trip); claim the stored prefix as an external hit, loaded asynchronously,
+only when the load policy (:mod:`.policy`) expects loading to beat recomputing; plan a
+``swap_in`` into the blocks vLLM allocates, and a ``swap_out`` of every block the step
+completes that kvswap does not already hold.
 
 Worker side (:class:`WorkerSide`): the KV cache is allocated in shared memory
-(:mod:`.memory`) and registered without a copy; loads run before the forward
-(``swap_in``), saves are sent after it (``swap_out(wait="copied")``) and their replies
-collected at the start of the next step, before vLLM zeroes or reuses a block
-(``handle_preemptions``): the copy overlaps the step's output and the next schedule, and the
-write to storage continues in the daemon. A load that does not fully land
-reports its blocks through ``get_block_ids_with_load_errors``, so vLLM (with
-``kv_load_failure_policy="recompute"``) recomputes them instead of attending to garbage.
-Any kvswap error is a miss or a skipped save: the engine never fails a request for it.
+(:mod:`.memory`) and registered without a copy. Loads are sent after the forward and
+collected in ``get_finished`` of a later step, the request waiting meanwhile in vLLM's
+WAITING_FOR_REMOTE_KVS while the others run; saves are sent after the forward
+(``swap_out(wait="copied")``) and collected when they are done, a step waiting only for a save
+that still reads a block it is about to zero or overwrite (``handle_preemptions``). The write to
+storage continues in the daemon. A load that does not fully land reports its blocks through
+``get_block_ids_with_load_errors``, so vLLM (with ``kv_load_failure_policy="recompute"``)
+recomputes them instead of attending to garbage. Any kvswap error is a miss or a skipped save:
+the engine never fails a request for it.
 
 KV events: each save tells kvswapd the engine's names of its blocks (``block_meta``: hashes
 converted as vLLM converts them for its own events, parent, tokens), and with
@@ -29,7 +32,7 @@ through ``take_events`` (:mod:`.events`).
 The daemon: ``kv_connector_extra_config["endpoint"]`` (one endpoint, or a list in rank
 order), else ``KVSWAP_ENDPOINTS`` as ``kvswap launch`` sets it (rank i -> i-th), else
 ``tcp://127.0.0.1:55500``. The other ``kv_connector_extra_config`` keys (``load_policy``,
-``timeout_s``, ``lookup_timeout_s``, ``connect_timeout_s``, ``retry_s``, ``model_id``,
+``timeout_s``, ``lookup_timeout_s``, ``load_async``, ``connect_timeout_s``, ``retry_s``, ``model_id``,
 ``stats_file``, ``block_meta``, ``kv_events_endpoint``, ``kv_events_replay_endpoint``,
 ``kv_events_topic``) are listed in docs/integration.md.
 
@@ -59,14 +62,16 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvswap.protocol import kv_events as kvswap_events
 from kvswap.protocol.client import Client
-from kvswap.protocol.errors import KvswapError
+from kvswap.protocol.errors import KvswapError, Unavailable
 
 from .events import EventForwarder
+from .lookups import Lookups
 from .plan import (
     Backoff,
     block_meta_setting,
     block_metas,
     blocks_to_save,
+    flag_setting,
     keys_for,
     loadable_blocks,
     resolve_endpoints,
@@ -112,10 +117,10 @@ class KvswapConnector(KVConnectorBase_V1):
             self.worker.begin_step()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        # vLLM calls this at the start of every step, before it zeroes new blocks or frees
-        # preempted ones: the last step's saves must be copied by then.
-        if self.worker:
-            self.worker.settle()
+        # vLLM calls this at the start of every step, before it zeroes or copies into the
+        # step's new blocks: a save still reading one of them must be copied by then.
+        if self.worker and isinstance(kv_connector_metadata, KvswapMetadata):
+            self.worker.settle(kv_connector_metadata.reused_blocks)
 
     def get_mem_pool_context(self):
         return self.worker.memory_context() if self.worker else None
@@ -129,7 +134,9 @@ class KvswapConnector(KVConnectorBase_V1):
             self.worker.start_step(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # every load finished in start_load_kv, before the forward
+        # Loads are whole requests: an async one finishes before vLLM schedules its request, a
+        # synchronous one in start_load_kv, before the forward.
+        return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # saves are whole blocks after the forward, in wait_for_save
@@ -137,6 +144,10 @@ class KvswapConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         if self.worker and self.has_connector_metadata():
             self.worker.end_step(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # Saves never delay a request's end (see WorkerSide.settle); loads report here.
+        return None, (self.worker.finished_loads() or None) if self.worker else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker else set()
@@ -148,7 +159,8 @@ class KvswapConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
-        return self.scheduler.matched_tokens(request, num_computed_tokens), False
+        tokens = self.scheduler.matched_tokens(request, num_computed_tokens)
+        return tokens, bool(tokens) and self.scheduler.load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
@@ -189,7 +201,7 @@ class _Tracked:
 
     request: Any
     block_ids: list[int] = field(default_factory=list)
-    #: Leading blocks known stored (loaded, found in the engine's cache, or saved).
+    #: Leading blocks known stored (loaded, found in the engine's cache or in kvswap, or saved).
     saved: int = 0
 
 
@@ -202,15 +214,20 @@ class SchedulerSide:
             raise ValueError(f"block size {self.block_size} is not a multiple of the hash block size {hash_block_size}")
         self.hashes_per_block = self.block_size // hash_block_size
         timeout = float(extra.get("timeout_s", 5.0))
-        self.lookup_timeout = float(extra.get("lookup_timeout_s", 1.0))
         self.backoff = Backoff(float(extra.get("retry_s", 5.0)))
+        self.load_async = flag_setting(extra, "load_async", True)
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         endpoints = resolve_endpoints(extra)[:tp_size]
         # Every rank's daemon must hold a block for the load to land everywhere: ask all.
         self.clients = [Client(e, timeout=timeout) for e in endpoints]
         self.policy = LoadPolicy(self.block_size, str(extra.get("load_policy", "when_faster")))
         self.stats = ConnectorStats(extra.get("stats_file"))
+        self.lookups = Lookups(self.clients, float(extra.get("lookup_timeout_s", 1.0)), self.stats.lookup,
+                               self._lookup_failed)
         self._pending: dict[str, tuple[int, int]] = {}  # req_id -> (first block, blocks to load)
+        #: Scheduler time the connector spent on each request not yet admitted (its lookups'
+        #: calls and the load's planning): the cost a new request pays on the scheduler.
+        self._admit_s: dict[str, float] = {}
         self._loads: list[Transfer] = []
         self._tracked: dict[str, _Tracked] = {}
         #: Block metadata for saves (for the daemon's KV events), unless ``block_meta`` is false.
@@ -225,53 +242,67 @@ class SchedulerSide:
     def _keys(self, request: Any) -> list[str]:
         return keys_for(request.block_hashes, self.hashes_per_block)
 
-    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        self._pending.pop(request.request_id, None)
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
+        """Tokens to load past ``num_computed_tokens``, or None while the lookup is out."""
+        t = time.perf_counter()
+        try:
+            return self._matched(request, num_computed_tokens)
+        finally:
+            req_id = request.request_id
+            self._admit_s[req_id] = self._admit_s.get(req_id, 0.0) + time.perf_counter() - t
+
+    def _matched(self, request: Any, num_computed_tokens: int) -> int | None:
+        req_id = request.request_id
+        self._pending.pop(req_id, None)
         keys = self._keys(request)
         usable = loadable_blocks(len(keys), request.num_tokens, self.block_size)
         first = num_computed_tokens // self.block_size
-        if first >= usable:
+        if first >= usable or not self.backoff.open:
+            self.lookups.forget(req_id)
             return 0
-        hits = self._lookup(keys[first:usable])
-        if hits == 0:
-            return 0
+        hits = self.lookups.ask(req_id, keys[first:usable])
+        if not hits:
+            return hits  # None: ask again next step
+        # Stored in kvswap, so not worth saving again whether or not it is loaded.
+        tracked = self._tracked.setdefault(req_id, _Tracked(request))
+        tracked.saved = max(tracked.saved, first + hits)
         decision = self.policy.decide(hits)
         self.stats.decision(decision.reason, hits * self.block_size)
         if not decision.load:
             return 0
-        self._pending[request.request_id] = (first, hits)
+        self._pending[req_id] = (first, hits)
         return hits * self.block_size
 
-    def _lookup(self, keys: list[str]) -> int:
-        if not self.backoff.open:
-            return 0
-        t = time.perf_counter()
-        hits = len(keys)
-        try:
-            for client in self.clients:
-                hits = min(hits, client.lookup(keys, timeout=self.lookup_timeout))
-                if hits == 0:
-                    break
-        except KvswapError as exc:
-            self.stats.error("lookup", exc)
+    def _lookup_failed(self, exc: KvswapError) -> None:
+        self.stats.error("lookup", exc)
+        if not isinstance(exc, Unavailable):
+            # A daemon that takes the lookups and does not answer costs every request a wait:
+            # stop asking for a while. One not connected (down, restarting) costs nothing, since
+            # the send fails at once, so the next request may find it back.
             self.backoff.failed(exc)
-            hits = 0
-        self.stats.lookup(time.perf_counter() - t, len(keys), hits)
-        return hits
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
-        plan = self._pending.pop(request.request_id, None)
-        if num_external_tokens <= 0 or plan is None:
-            return
-        first, _ = plan
-        count = num_external_tokens // self.block_size
-        keys = self._keys(request)[first:first + count]
-        self._loads.append(Transfer(request.request_id, keys, list(block_ids[first:first + count])))
-        tracked.saved = max(tracked.saved, first + count)
+        t = time.perf_counter()
+        req_id = request.request_id
+        tracked = self._tracked.setdefault(req_id, _Tracked(request))
+        plan = self._pending.pop(req_id, None)
+        if num_external_tokens > 0 and plan is not None:
+            first, _ = plan
+            count = num_external_tokens // self.block_size
+            keys = self._keys(request)[first:first + count]
+            self._loads.append(Transfer(req_id, keys, list(block_ids[first:first + count])))
+            tracked.saved = max(tracked.saved, first + count)
+        self.stats.admitted(self._admit_s.pop(req_id, 0.0) + time.perf_counter() - t)
 
     def build_meta(self, out: SchedulerOutput) -> KvswapMetadata:
-        meta = KvswapMetadata(loads=self._loads, step_tokens=out.total_num_scheduled_tokens)
+        t = time.perf_counter()
+        meta = self._build_meta(out)
+        self.stats.step(time.perf_counter() - t)
+        return meta
+
+    def _build_meta(self, out: SchedulerOutput) -> KvswapMetadata:
+        meta = KvswapMetadata(loads=self._loads, step_tokens=out.total_num_scheduled_tokens,
+                              load_async=self.load_async, reused_blocks=_reused_blocks(out, self._loads, self.block_size))
         self._loads = []
         for new in out.scheduled_new_reqs:
             tracked = self._tracked.get(new.req_id)
@@ -319,6 +350,8 @@ class SchedulerSide:
     def finished(self, req_id: str) -> None:
         self._tracked.pop(req_id, None)
         self._pending.pop(req_id, None)
+        self._admit_s.pop(req_id, None)
+        self.lookups.forget(req_id)
         self.stats.maybe_write(self.policy)
 
     def take_events(self) -> list[vllm_events.KVCacheEvent]:
@@ -338,8 +371,25 @@ class SchedulerSide:
         if self.events is not None:
             self.events.close()
             self.events = None
+        self.lookups.close()
         for client in self.clients:
             client.close()
+
+
+def _reused_blocks(out: SchedulerOutput, loads: list[Transfer], block_size: int) -> frozenset[int]:
+    """The blocks the step may write before its forward: every block allocated for it (zeroed,
+    copy-on-write targets, prompt chunks) and the targets of the loads it starts. A new
+    request's leading computed blocks are prefix-cache hits, read only; they are left out."""
+    blocks: set[int] = set()
+    for new in out.scheduled_new_reqs:
+        blocks.update(new.block_ids[0][new.num_computed_tokens // block_size:])
+    for new_ids in out.scheduled_cached_reqs.new_block_ids:
+        if new_ids:
+            blocks.update(new_ids[0])
+    for load in loads:
+        blocks.update(load.block_ids)
+    blocks.update(getattr(out, "new_block_ids_to_zero", None) or ())
+    return frozenset(blocks)
 
 
 def _forwarder(vllm_config: VllmConfig, extra: dict[str, Any]) -> EventForwarder | None:

@@ -36,8 +36,9 @@ log = logging.getLogger("vllm.kvswap")
 #: same context); the cache is at least a few blocks of every layer.
 MIN_CACHE_BYTES = 1 << 20
 
-#: torch's dtype names -> kvswap's. vLLM's fp8 caches keep their scales as per-layer scalars in
-#: the model, so a block's bytes are all there is to move.
+#: torch's dtype names -> kvswap's. A float8 cache (vLLM's ``fp8_inc``) keeps its scales as
+#: per-layer scalars in the model, so a block's bytes are all there is to move. vLLM's other
+#: fp8 caches are ``torch.uint8`` tensors, refused: kvswap's ``uint8`` has scale regions.
 TORCH_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32",
                 "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2"}
 

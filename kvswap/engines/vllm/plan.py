@@ -29,6 +29,19 @@ def resolve_endpoints(extra: Mapping[str, Any], environ: Mapping[str, str] = os.
     return listed or [DEFAULT_ENDPOINT]
 
 
+def _truth(name: str, value: Any, allowed: str) -> bool | None:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    if text in ("auto", "") and "auto" in allowed:
+        return None
+    raise ValueError(f"kv_connector_extra_config {name} must be {allowed}, got {value!r}")
+
+
 def block_meta_setting(extra: Mapping[str, Any]) -> bool | None:
     """``kv_connector_extra_config["block_meta"]``: True or False, or None for "auto" (the
     default: sent when the daemon publishes KV events, as its ``stats`` says).
@@ -36,17 +49,18 @@ def block_meta_setting(extra: Mapping[str, Any]) -> bool | None:
     >>> block_meta_setting({}), block_meta_setting({"block_meta": "false"}), block_meta_setting({"block_meta": True})
     (None, False, True)
     """
-    value = extra.get("block_meta", "auto")
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("auto", ""):
-        return None
-    if text in ("true", "1", "yes", "on"):
-        return True
-    if text in ("false", "0", "no", "off"):
-        return False
-    raise ValueError(f"kv_connector_extra_config block_meta must be auto, true or false, got {value!r}")
+    return _truth("block_meta", extra.get("block_meta", "auto"), "auto, true or false")
+
+
+def flag_setting(extra: Mapping[str, Any], name: str, default: bool) -> bool:
+    """A true/false ``kv_connector_extra_config`` key (JSON bools, or their spellings).
+
+    >>> flag_setting({}, "load_async", True), flag_setting({"load_async": "off"}, "load_async", True)
+    (True, False)
+    """
+    value = _truth(name, extra.get(name, default), "true or false")
+    assert value is not None
+    return value
 
 
 def keys_for(block_hashes: Sequence[bytes], per_block: int) -> list[str]:

@@ -29,10 +29,20 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[int(rank) - 1]
 
 
+def _milliseconds(samples: deque[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {"n": len(ordered), "p50": percentile(ordered, 50) * 1e3, "p99": percentile(ordered, 99) * 1e3,
+            "max": ordered[-1] * 1e3 if ordered else 0.0}
+
+
 class ConnectorStats:
     def __init__(self, path: str | None = None) -> None:
         self.path = path
         self.lookup_s: deque[float] = deque(maxlen=MAX_SAMPLES)
+        #: Scheduler time the connector took per new request (its lookups' calls and planning
+        #: its load, until vLLM admitted it) and per step (building the step's metadata).
+        self.admit_s: deque[float] = deque(maxlen=MAX_SAMPLES)
+        self.step_s: deque[float] = deque(maxlen=MAX_SAMPLES)
         self.counts: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         #: More parts of the summary, each read when it is written (the KV events forwarder's counts).
@@ -44,6 +54,12 @@ class ConnectorStats:
         self.counts["lookups"] += 1
         self.counts["lookup_keys"] += keys
         self.counts["lookup_hits"] += hits
+
+    def admitted(self, seconds: float) -> None:
+        self.admit_s.append(seconds)
+
+    def step(self, seconds: float) -> None:
+        self.step_s.append(seconds)
 
     def decision(self, reason: str, tokens: int) -> None:
         self.counts[f"decision_{reason}"] += 1
@@ -58,14 +74,14 @@ class ConnectorStats:
         self.counts["blocks_saved"] += report.saved_blocks
         self.counts["save_failures"] += report.save_failures
         self.counts["save_ms"] += round(report.save_s * 1e3)
+        self.counts["save_waits"] += report.save_waits
         self.counts["load_calls"] += len(report.load_samples)
         self.counts["load_ms"] += round(sum(s for _, s in report.load_samples) * 1e3)
 
     def summary(self, policy: Any) -> dict[str, Any]:
-        ordered = sorted(self.lookup_s)
         return {"counts": dict(self.counts), "errors": dict(self.errors),
-                "lookup_ms": {"n": len(ordered), "p50": percentile(ordered, 50) * 1e3,
-                              "p99": percentile(ordered, 99) * 1e3, "max": (ordered[-1] * 1e3 if ordered else 0.0)},
+                "lookup_ms": _milliseconds(self.lookup_s), "scheduler_per_request_ms": _milliseconds(self.admit_s),
+                "scheduler_per_step_ms": _milliseconds(self.step_s),
                 "policy": policy.describe(), **{name: read() for name, read in self.sections.items()}}
 
     def maybe_write(self, policy: Any) -> None:

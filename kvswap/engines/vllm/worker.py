@@ -1,9 +1,21 @@
 """The worker side of the vLLM connector: the KV cache in shared memory and registered with
-kvswapd, loads before the forward, saves after it; and the metadata the scheduler side sends
-it each step. See :mod:`.connector` for the whole."""
+kvswapd, loads sent without waiting and collected between steps, saves sent after the forward
+and collected when their blocks are about to be reused; and the metadata the scheduler side
+sends it each step. See :mod:`.connector` for the whole.
+
+Every copy is the daemon's, into or out of memory the engine keeps using, so the one rule is
+when a block is the engine's again: only once the daemon answered the request that copies it,
+or once the client's wait for that answer is over (``Client.done``: the request carried its
+deadline as ``deadline_ns``, so a daemon that reads it later never starts it, and one in
+progress stopped at the deadline). Until then a loading request stays in vLLM's
+WAITING_FOR_REMOTE_KVS (its blocks held), and a block being saved is not zeroed or given to
+another request: :meth:`WorkerSide.settle` waits, at the start of the step that would reuse
+it, for exactly the saves that read such a block.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -17,7 +29,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvswap.protocol.client import Client
 from kvswap.protocol.errors import InvalidLayout, KvswapError, NotRegistered
 from kvswap.protocol.kv_events import BlockMeta
-from kvswap.protocol.messages import SwapOut
+from kvswap.protocol.messages import SwapIn, SwapOut
+from kvswap.protocol.results import SwapInResult
 
 from .memory import CacheFacts, SharedKVAllocation, build_registration
 from .plan import Backoff, block_meta_setting, resolve_endpoints
@@ -48,6 +61,11 @@ class KvswapMetadata(KVConnectorMetadata):
     saves: list[Transfer] = field(default_factory=list)
     #: Tokens the step computes (the forward's work), for the prefill-speed estimate.
     step_tokens: int = 0
+    #: Loads run between steps (vLLM's ``load_kv_async``): sent, not waited for.
+    load_async: bool = True
+    #: Blocks this step may write before its forward (newly allocated: zeroed, copied into,
+    #: loaded): a save still reading one must finish first.
+    reused_blocks: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -61,8 +79,10 @@ class KvswapWorkerMetadata(KVConnectorWorkerMetadata):
     failed_blocks: int = 0
     saved_blocks: int = 0
     save_failures: int = 0
-    #: Time the steps spent in swap_out (waiting for "copied").
+    #: Time the steps spent sending saves and waiting for their copies (``settle``).
     save_s: float = 0.0
+    #: Saves a step had to wait for because it reuses one of their blocks.
+    save_waits: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvswapWorkerMetadata)
@@ -70,7 +90,7 @@ class KvswapWorkerMetadata(KVConnectorWorkerMetadata):
             self.load_samples + other.load_samples, self.forward_samples + other.forward_samples,
             self.loaded_blocks + other.loaded_blocks, self.failed_blocks + other.failed_blocks,
             self.saved_blocks + other.saved_blocks, self.save_failures + other.save_failures,
-            self.save_s + other.save_s)
+            self.save_s + other.save_s, self.save_waits + other.save_waits)
 
 
 class WorkerSide:
@@ -84,6 +104,7 @@ class WorkerSide:
         endpoints = resolve_endpoints(extra)
         self.endpoint = endpoints[rank] if rank < len(endpoints) else None
         self.allocation = SharedKVAllocation() if vllm_config.device_config.device_type == "cpu" else None
+        self._gpu_cache: Any = None
         self.client: Client | None = None
         self.registration: dict[str, Any] | None = None
         self.write_slots = 0
@@ -94,7 +115,12 @@ class WorkerSide:
         self.send_meta = bool(self.block_meta)
         self.backoff = Backoff(float(extra.get("retry_s", 5.0)))
         self._errors: set[int] = set()
-        self._inflight: list[int] = []  # ids of swap_out requests sent, replies not collected
+        #: swap_out requests sent, replies not collected: request id -> the blocks they read.
+        self._saves: dict[int, frozenset[int]] = {}
+        #: Loads sent, replies not collected: request id -> (the load, when it was sent).
+        self._loads: dict[int, tuple[Transfer, float]] = {}
+        #: vLLM requests whose loads ended (landed or not), for the next ``get_finished``.
+        self._loaded: set[str] = set()
         self._report = KvswapWorkerMetadata()
         self._forward_started: float | None = None
         if self.endpoint is None:
@@ -106,10 +132,6 @@ class WorkerSide:
     def register(self, kv_caches: dict[str, Any]) -> None:
         if self.endpoint is None:
             return
-        if self.allocation is None:
-            log.error("kvswap connector: only CPU engines are supported (the cache must be in shared memory); "
-                      "running without offload")
-            return
         model = self.config.model_config
         parallel = self.config.parallel_config
         facts = CacheFacts(self.model_id, num_blocks=self.kv_cache_config.num_blocks,
@@ -117,7 +139,14 @@ class WorkerSide:
                            num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
                            tp_rank=_tp_rank(), tp_size=parallel.tensor_parallel_size)
         try:
-            self.registration = build_registration(kv_caches, self.allocation, facts)
+            if self.allocation is not None:
+                self.registration = build_registration(kv_caches, self.allocation, facts)
+            else:
+                # A GPU engine: the cache goes to kvswapd as CUDA IPC handles (.cuda). The object
+                # kept holds the cache tensors for as long as the registration stands.
+                from .cuda import cuda_registration
+
+                self.registration, self._gpu_cache = cuda_registration(kv_caches, facts)
         except InvalidLayout as exc:
             log.error("kvswap connector: cannot describe the KV cache (%s); running without offload", exc)
             return
@@ -176,17 +205,25 @@ class WorkerSide:
         self._forward_started = time.perf_counter()
 
     def start_step(self, meta: KvswapMetadata) -> None:
-        """Loads, before the forward reads the blocks (vLLM calls this before the forward in
-        steps that have loads)."""
+        """Loads. Synchronous ones run here, before the forward reads their blocks; async ones
+        (vLLM calls this after the forward then) are only sent, and :meth:`finished_loads`
+        collects them in a later step."""
         if not meta.loads:
             return
         for load in meta.loads:
-            if self.usable:
-                self._load(load)
+            if not self.usable:
+                self._failed(load, load.block_ids)
+            elif meta.load_async:
+                self._send_load(load)
             else:
-                self._errors.update(load.block_ids)
-                self._report.failed_blocks += len(load.block_ids)
-        self._forward_started = time.perf_counter()
+                self._load(load)
+        if not meta.load_async:
+            self._forward_started = time.perf_counter()  # the forward starts after the loads
+
+    def _failed(self, load: Transfer, blocks: list[int]) -> None:
+        self._report.failed_blocks += len(blocks)
+        self._errors.update(blocks)
+        self._loaded.add(load.req_id)
 
     def _load(self, load: Transfer) -> None:
         t = time.perf_counter()
@@ -196,12 +233,47 @@ class WorkerSide:
         except KvswapError as exc:
             log.warning("kvswap connector: load of %d blocks failed (%s); recomputing", len(load.keys), exc)
             loaded = 0
+        self._landed(load, loaded, time.perf_counter() - t)
+
+    def _landed(self, load: Transfer, loaded: int, seconds: float) -> None:
         if loaded:
-            self._report.load_samples.append((loaded, time.perf_counter() - t))
+            self._report.load_samples.append((loaded, seconds))
         self._report.loaded_blocks += loaded
-        failed = load.block_ids[loaded:]
-        self._report.failed_blocks += len(failed)
-        self._errors.update(failed)
+        self._failed(load, load.block_ids[loaded:])
+
+    def _send_load(self, load: Transfer) -> None:
+        assert self.client is not None
+        try:
+            if not self.registered:
+                self._register()
+            request_id = self.client.send(SwapIn, {"keys": tuple(load.keys), "block_ids": tuple(load.block_ids)},
+                                          timeout=self.timeout, block=False)
+        except KvswapError as exc:
+            self.backoff.failed(exc)
+            log.warning("kvswap connector: load of %d blocks not sent (%s); recomputing", len(load.keys), exc)
+            self._failed(load, load.block_ids)
+            return
+        self._loads[request_id] = (load, time.perf_counter())
+
+    def finished_loads(self) -> set[str]:
+        """The vLLM requests whose async loads ended since the last call; the blocks that did
+        not land are in :meth:`take_load_errors` by then. Never blocks."""
+        if self._loads:
+            assert self.client is not None
+            for request_id in [r for r in self._loads if self.client.done(r)]:
+                load, sent = self._loads.pop(request_id)
+                try:
+                    loaded = SwapInResult.from_wire(self.client.wait(request_id)).loaded
+                except NotRegistered:
+                    self.registered = False  # the daemon restarted: register again on the next call
+                    loaded = 0
+                except KvswapError as exc:
+                    self.backoff.failed(exc)
+                    log.warning("kvswap connector: load of %d blocks failed (%s); recomputing", len(load.keys), exc)
+                    loaded = 0
+                self._landed(load, loaded, time.perf_counter() - sent)
+        finished, self._loaded = self._loaded, set()
+        return finished
 
     def end_step(self, meta: KvswapMetadata) -> None:
         """After the forward: time it, then send the blocks it completed to kvswapd without
@@ -225,7 +297,8 @@ class WorkerSide:
                                             "keys": tuple(save.keys[i:i + step]), "wait": "copied", "partial": True}
                     if self.send_meta and save.metas:
                         body["block_meta"] = tuple(m.to_wire() for m in save.metas[i:i + step])
-                    self._inflight.append(self.client.send(SwapOut, body, timeout=self.timeout))
+                    self._saves[self.client.send(SwapOut, body, timeout=self.timeout, block=False)] = \
+                        frozenset(save.block_ids[i:i + step])
         except KvswapError as exc:
             # Nothing to undo: the blocks are simply not offloaded.
             self.backoff.failed(exc)
@@ -233,27 +306,39 @@ class WorkerSide:
             self._report.save_failures += 1
         self._report.save_s += time.perf_counter() - started
 
-    def settle(self) -> None:
-        """Wait for every save sent so far to be copied (vLLM calls ``handle_preemptions``
-        at the start of each step, before it zeroes new blocks or frees preempted ones)."""
-        if not self._inflight:
+    def settle(self, reused: frozenset[int] | None = None) -> None:
+        """Collect the saves whose copies are done, without waiting; then wait for each one
+        still reading a block in ``reused`` (None: every save), which this step may zero or
+        overwrite before its forward. vLLM calls ``handle_preemptions`` at the start of each
+        step, before it zeroes new blocks or copies into them; a block of a finished or
+        preempted request is only ever written after it was allocated again, in a step that
+        lists it."""
+        if not self._saves:
             return
         assert self.client is not None
         started = time.perf_counter()
-        inflight, self._inflight = self._inflight, []
-        for request_id in inflight:
-            try:
-                out = self.client.wait(request_id, timeout=self.timeout)
-            except NotRegistered:
-                self.registered = False  # the daemon restarted: these blocks are not offloaded
-                self._report.save_failures += 1
-            except KvswapError as exc:
-                self.backoff.failed(exc)
-                self._report.save_failures += 1
-            else:
-                self._report.saved_blocks += out["queued"] + out["exists"]
-                self._report.save_failures += out["failed"]
+        for request_id, blocks in list(self._saves.items()):
+            must_wait = reused is None or not blocks.isdisjoint(reused)
+            if must_wait or self.client.done(request_id):
+                if must_wait and not self.client.done(request_id):
+                    self._report.save_waits += 1
+                del self._saves[request_id]
+                self._collect_save(request_id)
         self._report.save_s += time.perf_counter() - started
+
+    def _collect_save(self, request_id: int) -> None:
+        assert self.client is not None
+        try:
+            out = self.client.wait(request_id, timeout=self.timeout)
+        except NotRegistered:
+            self.registered = False  # the daemon restarted: these blocks are not offloaded
+            self._report.save_failures += 1
+        except KvswapError as exc:
+            self.backoff.failed(exc)
+            self._report.save_failures += 1
+        else:
+            self._report.saved_blocks += out["queued"] + out["exists"]
+            self._report.save_failures += out["failed"]
 
     def take_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
@@ -266,6 +351,10 @@ class WorkerSide:
     def close(self) -> None:
         if self.client is not None:
             self.settle()
+            for request_id in list(self._loads):
+                with contextlib.suppress(KvswapError):
+                    self.client.wait(request_id)  # no copy into the cache may outlive the engine
+            self._loads.clear()
             try:
                 self.client.unregister()
             except KvswapError:

@@ -1,0 +1,128 @@
+"""Lookups that never hold the scheduler: sent to every rank's daemon at once, answered from
+their replies on a later call.
+
+vLLM's scheduler asks ``get_num_new_matched_tokens`` for each waiting request, every step, and
+serves every request in between; a connector that waits for a round trip there stalls them
+all (a slow daemon, a busy loop, a full socket queue). vLLM lets the answer be ``None``: "not
+known yet, ask again". :class:`Lookups` sends the lookup the first time it is asked, answers
+``None`` until every daemon replied, then the stored prefix: the shortest of the ranks' (a
+block is loadable only where every rank holds it). The answer is a step old when the engine
+acts on it; a record evicted in between fails its load, which vLLM recomputes (the load-error
+path), never a wrong token.
+
+No vLLM here: the suite drives this against a real kvswapd.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvswap.protocol.client import Client
+from kvswap.protocol.errors import KvswapError
+from kvswap.protocol.messages import Lookup
+
+#: Lookups in flight at most; past it a request is answered "no hit" at once rather than
+#: queueing more work on the daemons than the scheduler has requests to admit.
+MAX_IN_FLIGHT = 4096
+
+
+@dataclass
+class _Asked:
+    keys: tuple[str, ...]
+    #: One request id per client, in client order.
+    ids: list[int]
+    sent: float
+
+
+class Lookups:
+    """The lookups of waiting requests, by vLLM request id.
+
+    ``on_error(exc)`` is told of a daemon's failure (the answer is then 0 hits); ``on_answer(
+    seconds, keys, hits)`` of each answer, ``seconds`` from sending to the call that saw the
+    last reply (what the request waited, as the engine saw it)."""
+
+    def __init__(self, clients: Sequence[Client], timeout: float,
+                 on_answer: Callable[[float, int, int], None] = lambda s, k, h: None,
+                 on_error: Callable[[KvswapError], None] = lambda exc: None) -> None:
+        self.clients = list(clients)
+        self.timeout = timeout
+        self.on_answer = on_answer
+        self.on_error = on_error
+        self._asked: dict[str, _Asked] = {}
+        #: Lookups nobody waits for any more (the request left, or asked for other keys):
+        #: their replies are collected when they come, so no client keeps them.
+        self._abandoned: list[tuple[Client, int]] = []
+
+    def __len__(self) -> int:
+        return len(self._asked)
+
+    def ask(self, req_id: str, keys: Sequence[str]) -> int | None:
+        """How many leading ``keys`` every daemon holds, or None while a reply is missing."""
+        self._reap()
+        keys = tuple(keys)
+        asked = self._asked.get(req_id)
+        if asked is not None and asked.keys != keys:
+            # The engine's own cache moved the start (it holds more, or less, than a step ago).
+            self.forget(req_id)
+            asked = None
+        if asked is None:
+            if len(self._asked) >= MAX_IN_FLIGHT:
+                return 0
+            return self._send(req_id, keys)
+        if not all(client.done(i) for client, i in zip(self.clients, asked.ids)):
+            return None
+        del self._asked[req_id]
+        return self._answer(asked)
+
+    def forget(self, req_id: str) -> None:
+        """The request left (finished, aborted) or asks for other keys: drop its lookup."""
+        asked = self._asked.pop(req_id, None)
+        if asked is not None:
+            self._abandoned.extend(zip(self.clients, asked.ids))
+
+    def _send(self, req_id: str, keys: tuple[str, ...]) -> int | None:
+        ids: list[int] = []
+        try:
+            for client in self.clients:
+                ids.append(client.send(Lookup, {"keys": keys}, timeout=self.timeout, block=False))
+        except KvswapError as exc:
+            self._abandoned.extend(zip(self.clients, ids))
+            self.on_error(exc)
+            return 0
+        self._asked[req_id] = _Asked(keys, ids, time.perf_counter())
+        return None
+
+    def _answer(self, asked: _Asked) -> int:
+        hits = len(asked.keys)
+        failure: KvswapError | None = None
+        for client, request_id in zip(self.clients, asked.ids):
+            try:
+                hits = min(hits, int(client.wait(request_id)["hits"]))
+            except KvswapError as exc:
+                failure = exc
+        if failure is not None:
+            self.on_error(failure)
+            hits = 0
+        self.on_answer(time.perf_counter() - asked.sent, len(asked.keys), hits)
+        return hits
+
+    def _reap(self) -> None:
+        if not self._abandoned:
+            return
+        keep = []
+        for client, request_id in self._abandoned:
+            try:
+                if not client.done(request_id):
+                    keep.append((client, request_id))
+                    continue
+                client.wait(request_id)
+            except (KvswapError, KeyError):
+                pass
+        self._abandoned = keep
+
+    def close(self) -> None:
+        for req_id in list(self._asked):
+            self.forget(req_id)
+        self._abandoned.clear()
