@@ -48,6 +48,7 @@ from .layout import DTYPE_SIZES, CacheLayout
 
 __all__ = [
     "HANDLE_KIND",
+    "HandleTable",
     "IPC_HANDLE_BYTES",
     "Allocation",
     "CudaCacheExport",
@@ -186,36 +187,52 @@ def build_cuda_registration(layout: CacheLayout, tensors: Mapping[str, DeviceTen
         regions = [{"name": "k.0", "handle": 0, "offset": 0,    "stride": 1024},
                    {"name": "v.0", "handle": 0, "offset": 4096, "stride": 1024}]
     """
-    handles: list[dict[str, Any]] = []
-    by_base: dict[int, int] = {}
-    regions = []
-    device: tuple[int, str] | None = None
+    table = HandleTable(locate)
     for region in layout.regions:
         if region.name not in tensors:
             raise InvalidLayout(f"no tensor for region {region.name}", region=region.name)
         t = tensors[region.name]
         _check_tensor(layout, region.name, region.block_bytes, t)
+        table.add(region.name, f"region {region.name}", t, region.block_bytes)
+    return table.body(layout, pid)
+
+
+class HandleTable:
+    """The ``cuda_ipc`` handles of one registration, one per CUDA allocation, and the regions
+    placed in them: ``add`` each region's memory (block 0 to the end of its last block), then
+    take the ``body``. Every region must be on the one device the daemon serves."""
+
+    def __init__(self, locate: Callable[[DeviceTensor], Allocation]) -> None:
+        self.locate = locate
+        self.handles: list[dict[str, Any]] = []
+        self.regions: list[dict[str, Any]] = []
+        self._by_base: dict[int, int] = {}
+        self._device: tuple[int, str] | None = None
+
+    def add(self, region: str, what: str, memory: DeviceTensor, stride: int) -> None:
+        """Place ``region`` (``what`` names it in errors: "region k.0", "layer ...") whose
+        blocks span ``memory``, ``stride`` bytes apart."""
         try:
-            alloc = locate(t)
+            alloc = self.locate(memory)
         except (CudaError, InvalidLayout) as exc:
-            raise InvalidLayout(f"region {region.name}: its memory cannot be shared over CUDA IPC: {exc.message}",
-                                **{**exc.details, "region": region.name}) from None
-        if not (alloc.base <= t.ptr and t.ptr + t.nbytes <= alloc.base + alloc.size):
-            raise InvalidLayout(f"region {region.name} is not inside the allocation that holds it",
-                                region=region.name)
-        if device is None:
-            device = (alloc.device, alloc.device_uuid)
-        elif device != (alloc.device, alloc.device_uuid):
-            raise InvalidLayout(f"region {region.name} is on device {alloc.device}, the others on {device[0]}; "
-                                "one daemon serves one GPU", region=region.name)
-        index = by_base.get(alloc.base)
+            raise InvalidLayout(f"{what}: its memory cannot be shared over CUDA IPC: {exc.message}",
+                                **{**exc.details, "region": region}) from None
+        if not (alloc.base <= memory.ptr and memory.ptr + memory.nbytes <= alloc.base + alloc.size):
+            raise InvalidLayout(f"{what}: its blocks run past the CUDA allocation that holds block 0", region=region)
+        if self._device is None:
+            self._device = (alloc.device, alloc.device_uuid)
+        elif self._device != (alloc.device, alloc.device_uuid):
+            raise InvalidLayout(f"{what} is on device {alloc.device}, the others on {self._device[0]}; one daemon "
+                                "serves one GPU", region=region)
+        index = self._by_base.get(alloc.base)
         if index is None:
-            index = by_base[alloc.base] = len(handles)
-            handles.append({"kind": HANDLE_KIND, "ipc_handle": alloc.ipc_handle, "size": alloc.size,
-                            "device": alloc.device, "device_uuid": alloc.device_uuid})
-        regions.append({"name": region.name, "handle": index, "offset": t.ptr - alloc.base,
-                        "stride": region.block_bytes})
-    return {"layout": layout.to_wire(), "handles": handles, "regions": regions, "pid": pid}
+            index = self._by_base[alloc.base] = len(self.handles)
+            self.handles.append({"kind": HANDLE_KIND, "ipc_handle": alloc.ipc_handle, "size": alloc.size,
+                                 "device": alloc.device, "device_uuid": alloc.device_uuid})
+        self.regions.append({"name": region, "handle": index, "offset": memory.ptr - alloc.base, "stride": stride})
+
+    def body(self, layout: CacheLayout, pid: int) -> dict[str, Any]:
+        return {"layout": layout.to_wire(), "handles": self.handles, "regions": self.regions, "pid": pid}
 
 
 def _check_tensor(layout: CacheLayout, name: str, block_bytes: int, t: DeviceTensor) -> None:

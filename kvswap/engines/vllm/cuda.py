@@ -46,11 +46,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from kvswap.protocol.cuda_export import (
-    HANDLE_KIND,
     Allocation,
     CudaDriver,
     CudaError,
     DeviceTensor,
+    HandleTable,
     driver_locator,
 )
 from kvswap.protocol.errors import InvalidLayout
@@ -260,32 +260,11 @@ def registration_body(plan: CachePlan, locate: Callable[[DeviceTensor], Allocati
                    {"name": "kv.1", "handle": 0, "offset": 1081344, "stride": 8192}]
     """
     num_blocks = plan.layout.num_blocks
-    handles: list[dict[str, Any]] = []
-    by_base: dict[int, int] = {}
-    regions = []
-    device: tuple[int, str] | None = None
+    table = HandleTable(locate)
     for span in plan.regions:
-        end = span.end(num_blocks)
-        try:
-            alloc = locate(DeviceTensor(span.ptr, (end - span.ptr,), 1, True, plan.device))
-        except (CudaError, InvalidLayout) as exc:
-            raise InvalidLayout(f"layer {span.layer}: its memory cannot be shared over CUDA IPC: {exc.message}",
-                                **{**exc.details, "region": span.name}) from None
-        if not (alloc.base <= span.ptr and end <= alloc.base + alloc.size):
-            raise InvalidLayout(f"layer {span.layer}: its blocks run past the CUDA allocation that holds block 0",
-                                region=span.name)
-        if device is None:
-            device = (alloc.device, alloc.device_uuid)
-        elif device != (alloc.device, alloc.device_uuid):
-            raise InvalidLayout(f"layer {span.layer} is on device {alloc.device}, the others on {device[0]}; one "
-                                "daemon serves one GPU", region=span.name)
-        index = by_base.get(alloc.base)
-        if index is None:
-            index = by_base[alloc.base] = len(handles)
-            handles.append({"kind": HANDLE_KIND, "ipc_handle": alloc.ipc_handle, "size": alloc.size,
-                            "device": alloc.device, "device_uuid": alloc.device_uuid})
-        regions.append({"name": span.name, "handle": index, "offset": span.ptr - alloc.base, "stride": span.stride})
-    return {"layout": plan.layout.to_wire(), "handles": handles, "regions": regions, "pid": pid}
+        memory = DeviceTensor(span.ptr, (span.end(num_blocks) - span.ptr,), 1, True, plan.device)
+        table.add(span.name, f"layer {span.layer}", memory, span.stride)
+    return table.body(plan.layout, pid)
 
 
 # -- the connector's entry point -----------------------------------------------------------------------
