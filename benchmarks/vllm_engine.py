@@ -8,10 +8,18 @@ to stdout too, so answers carry a marker):
 
 - ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n}`` -> per prompt: tokens,
   logprobs (of the chosen tokens), ttft_s, num_cached_tokens (engine prefix cache + kvswap)
+- ``{"op": "submit", "id": "a", "prompt": [ids...], "max_tokens": n}`` -> ``{"submitted": "a"}``
+  at once; the request runs beside the others submitted (vLLM batches them step by step), and
+  when it finishes a line ``@@kvswap {"completion": {...}}`` comes on its own (see
+  ``StepLoop``): tokens, logprobs, num_cached_tokens, external_tokens (what the connector
+  claimed for it, 0 without one), preemptions, arrival_s, ttft_s, e2e_s and token_times_s.
+  ``generate`` and ``reset_prefix_cache`` wait until every submitted request has finished
+  (``generate`` steps the engine until it has nothing left, so it would take their outputs).
 - ``{"op": "reset_prefix_cache"}``: empty the engine's own prefix cache
 - ``{"op": "kill_after_lookup", "pid": N}``: SIGKILL process N right after the next lookup
   that finds stored blocks (a daemon dying between lookup and load; test seam)
-- ``{"op": "exit"}``: shut the engine down (the connector writes its stats file)
+- ``{"op": "exit"}``: shut the engine down (the connector writes its stats file); submitted
+  requests still running are aborted, each with a completion ``{"id", "error": "aborted"}``
 
 Without ``--endpoint`` the engine runs with no connector (its own prefix cache only).
 
@@ -27,6 +35,7 @@ config's ``endpoint`` (vLLM's publisher connects to a ``tcp://host:port`` endpoi
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import queue
@@ -35,7 +44,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 MARK = "@@kvswap "
@@ -66,7 +75,19 @@ def make_model_dir(path: str, layers: int, hidden: int, heads: int, kv_heads: in
 
 class EngineProcess:
     """The driving side: starts this script under ``python`` (an interpreter with vLLM) and
-    exchanges commands with it. Needs no vLLM itself."""
+    exchanges commands with it. Needs no vLLM itself.
+
+    Two ways to run requests: ``generate`` (a batch, answered when all of it is done) and
+    ``submit`` + ``wait``/``result`` (each request answered when it finishes, the others
+    running on meanwhile). Every method may be called from any thread: commands go one at a
+    time over the pipe, completions are kept by id until someone takes them.
+
+        first = engine.submit(long_prompt, 64)
+        second = engine.submit(other_prompt, 8)
+        done = engine.wait([first, second])   # whichever finishes first
+        other = engine.result(second if done["id"] == first else first)
+        # done["token_times_s"]: seconds from arrival to each output token
+    """
 
     def __init__(self, python: str, argv: Sequence[str], log_path: str, env: dict[str, str] | None = None,
                  start_timeout_s: float = 600.0) -> None:
@@ -74,6 +95,11 @@ class EngineProcess:
         self.proc = subprocess.Popen([python, os.path.abspath(__file__), *argv], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, env=env, text=True)
         self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._calls = threading.Lock()  # one command and its answer at a time
+        self._finished: dict[str, dict[str, Any]] = {}  # completions not yet taken, in finishing order
+        self._finished_changed = threading.Condition()
+        self._exited = False
+        self._ids = itertools.count()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         self.ready = self._next(start_timeout_s)
@@ -82,11 +108,27 @@ class EngineProcess:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith(MARK):
-                self._answers.put(json.loads(line[len(MARK):]))
+                payload = json.loads(line[len(MARK):])
+                if "completion" in payload:
+                    with self._finished_changed:
+                        self._finished[str(payload["completion"]["id"])] = payload["completion"]
+                        self._finished_changed.notify_all()
+                else:
+                    self._answers.put(payload)
             else:
                 self._log.write(line.encode())
                 self._log.flush()
+        with self._finished_changed:
+            self._exited = True
+            self._finished_changed.notify_all()
         self._answers.put(None)
+
+    def _exit_error(self) -> RuntimeError:
+        code = self.proc.wait()
+        self._log.flush()
+        with open(self._log.name, "rb") as f:
+            tail = f.read()[-3000:].decode(errors="replace")
+        return RuntimeError(f"the vLLM engine exited with {code}; the end of {self._log.name}:\n{tail}")
 
     def _next(self, timeout_s: float) -> dict[str, Any]:
         try:
@@ -94,21 +136,58 @@ class EngineProcess:
         except queue.Empty:
             raise TimeoutError(f"the vLLM engine gave no answer within {timeout_s} s (log: {self._log.name})") from None
         if got is None:
-            code = self.proc.wait()
-            self._log.flush()
-            with open(self._log.name, "rb") as f:
-                tail = f.read()[-3000:].decode(errors="replace")
-            raise RuntimeError(f"the vLLM engine exited with {code}; the end of {self._log.name}:\n{tail}")
+            raise self._exit_error()
         return got
 
     def call(self, command: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
-        return self._next(timeout_s)
+        with self._calls:
+            self.proc.stdin.write(json.dumps(command) + "\n")
+            self.proc.stdin.flush()
+            return self._next(timeout_s)
 
     def generate(self, prompts: list[list[int]], max_tokens: int, timeout_s: float = 300.0) -> list[dict[str, Any]]:
         return self.call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens}, timeout_s)["results"]
+
+    def submit(self, prompt: list[int], max_tokens: int, request_id: str | None = None,
+               timeout_s: float = 60.0) -> str:
+        """Start one request (greedy, exactly ``max_tokens`` tokens) and return its id at once;
+        its completion is taken with ``wait`` or ``result``."""
+        rid = request_id if request_id is not None else f"r{next(self._ids)}"
+        got = self.call({"op": "submit", "id": rid, "prompt": prompt, "max_tokens": max_tokens}, timeout_s)
+        if "error" in got:
+            raise RuntimeError(f"submit {rid!r}: {got['error']}")
+        return rid
+
+    def wait(self, request_ids: Iterable[str] | None = None, timeout_s: float = 300.0) -> dict[str, Any]:
+        """The completion of the first of ``request_ids`` to have finished (of any request not
+        yet taken, where None), taken: tokens, logprobs, ttft_s, e2e_s, token_times_s (seconds
+        from the request's arrival to each output token), arrival_s (``time.monotonic()`` in the
+        engine's process, the same clock as this process's on Linux), num_cached_tokens,
+        external_tokens, preemptions. Raises TimeoutError when none finished within
+        ``timeout_s``, RuntimeError for a request that failed or an engine that exited."""
+        wanted = None if request_ids is None else [str(r) for r in request_ids]
+        deadline = time.monotonic() + timeout_s
+        with self._finished_changed:
+            while True:
+                for rid in (list(self._finished) if wanted is None else wanted):
+                    if rid in self._finished:
+                        done = self._finished.pop(rid)
+                        if "error" in done:
+                            raise RuntimeError(f"request {rid!r}: {done['error']}")
+                        return done
+                if self._exited:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no request of {wanted or 'those submitted'} finished within {timeout_s} s "
+                                       f"(log: {self._log.name})")
+                self._finished_changed.wait(left)
+        raise self._exit_error()
+
+    def result(self, request_id: str, timeout_s: float = 300.0) -> dict[str, Any]:
+        """The completion of ``request_id``, once it has finished (see ``wait``)."""
+        return self.wait([request_id], timeout_s)
 
     def close(self, timeout_s: float = 60.0) -> int:
         if self.proc.poll() is None:
@@ -265,6 +344,124 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[dict[s
     return results
 
 
+class StepLoop:
+    """Requests submitted one by one (the ``submit`` op), run by stepping vLLM's engine in this
+    thread, each answered with a completion line when it finishes.
+
+    ``llm.generate`` runs the same engine to the end of its batch; here ``LLMEngine.add_request``
+    and ``LLMEngine.step`` are called directly, with ``RequestOutputKind.DELTA``, so each step's
+    output shows the tokens that step produced and the time they first appear is recorded
+    (``token_times_s``, seconds after the request's arrival: when its command was read). The
+    time between two of them is the inter-token latency a streaming client sees, including
+    steps that also ran other requests' prefills or loads.
+    """
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self.live: dict[str, dict[str, Any]] = {}  # by vLLM's request id (ours, prefixed)
+        self._external: dict[str, int] = {}  # vLLM's internal request id -> tokens the connector claimed
+        self._internal: dict[str, str] = {}  # vLLM's internal id -> ours
+        self._watch_connector()
+
+    def _watch_connector(self) -> None:
+        # vLLM reports num_cached_tokens (its own cache and the connector's together) but not the
+        # connector's share; the scheduler tells the connector that share once a request's
+        # blocks are allocated (update_state_after_alloc), so the first such call is recorded.
+        scheduler = getattr(getattr(self.llm.llm_engine.engine_core, "engine_core", None), "scheduler", None)
+        connector = getattr(scheduler, "connector", None)
+        if connector is None:
+            return
+        original = connector.update_state_after_alloc
+
+        def recorded(request: Any, blocks: Any, num_external_tokens: int) -> Any:
+            if request.request_id in self._internal:
+                self._external.setdefault(request.request_id, int(num_external_tokens))
+            return original(request, blocks, num_external_tokens)
+
+        connector.update_state_after_alloc = recorded
+
+    def busy(self) -> bool:
+        return bool(self.live)
+
+    def submit(self, command: dict[str, Any], arrival_s: float) -> str:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        rid = str(command["id"])
+        key = "submit:" + rid
+        if key in self.live:
+            raise ValueError(f"request {rid!r} is still running")
+        params = SamplingParams(max_tokens=int(command["max_tokens"]), temperature=0.0, detokenize=False,
+                                logprobs=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        internal = self.llm.llm_engine.add_request(key, {"prompt_token_ids": [int(t) for t in command["prompt"]]},
+                                                   params)
+        self._internal[internal] = key
+        self.live[key] = {"id": rid, "internal": internal, "arrival_s": arrival_s, "tokens": [], "logprobs": [],
+                          "token_times_s": []}
+        return rid
+
+    def step(self) -> None:
+        outputs = self.llm.llm_engine.step()
+        now = time.monotonic()
+        for out in outputs:
+            state = self.live.get(out.request_id)
+            if state is None:
+                continue
+            completion = out.outputs[0]
+            new = list(completion.token_ids)
+            state["tokens"] += new
+            state["logprobs"] += [float(step[token].logprob)
+                                  for step, token in zip(completion.logprobs or [], new)]
+            state["token_times_s"] += [now - state["arrival_s"]] * len(new)
+            if out.finished:
+                self._finish(out.request_id, out, now)
+        if self.live and not self.llm.llm_engine.has_unfinished_requests():
+            for key in list(self.live):  # never loop on requests the engine no longer has
+                self._fail(key, "the engine lost the request")
+
+    def _finish(self, key: str, out: Any, now: float) -> None:
+        state = self.live.pop(key)
+        internal = state.pop("internal")
+        self._internal.pop(internal, None)
+        times = state["token_times_s"]
+        metrics = out.metrics
+        answer({"completion": {**state, "ttft_s": times[0] if times else now - state["arrival_s"],
+                               "e2e_s": now - state["arrival_s"], "num_cached_tokens": int(out.num_cached_tokens or 0),
+                               "external_tokens": self._external.pop(internal, 0),
+                               "preemptions": int(getattr(metrics, "num_preemptions", 0) or 0)}})
+
+    def _fail(self, key: str, error: str) -> None:
+        state = self.live.pop(key)
+        self._internal.pop(state["internal"], None)
+        self._external.pop(state["internal"], None)
+        answer({"completion": {"id": state["id"], "error": error}})
+
+    def drain(self) -> None:
+        while self.busy():
+            self.step()
+
+    def abort_all(self) -> None:
+        if self.live:
+            self.llm.llm_engine.abort_request(list(self.live))
+        for key in list(self.live):
+            self._fail(key, "aborted")
+
+
+def read_commands(stream: Any) -> queue.Queue[tuple[float, dict[str, Any]] | None]:
+    """A thread that reads one JSON command a line into the queue it returns, each with the
+    ``time.monotonic()`` it was read at (a submitted request's arrival), and None at the end."""
+    inbox: queue.Queue[tuple[float, dict[str, Any]] | None] = queue.Queue()
+
+    def read() -> None:
+        for line in stream:
+            if line.strip():
+                inbox.put((time.monotonic(), json.loads(line)))
+        inbox.put(None)
+
+    threading.Thread(target=read, daemon=True, name="commands").start()
+    return inbox
+
+
 def arm_kill(pid: int) -> None:
     """Test seam: SIGKILL ``pid`` right after the next lookup that finds stored blocks."""
     from kvswap.engines.vllm import connector as vllm_connector
@@ -301,13 +498,31 @@ def main() -> int:
     if args.kv_events_log:
         event_log = EventLog(json.loads(args.kv_events_config)["endpoint"], args.kv_events_log)
     llm = build_engine(args)
+    loop = StepLoop(llm)
+    inbox = read_commands(sys.stdin)
     answer({"ready": True, "startup_s": time.perf_counter() - started})
-    for line in sys.stdin:
-        command = json.loads(line)
+    while True:
+        # Between two steps, every command that has come in is handled; with nothing running,
+        # the loop sleeps until the next command.
+        try:
+            item = inbox.get(block=not loop.busy())
+        except queue.Empty:
+            loop.step()
+            continue
+        if item is None:
+            break
+        arrival_s, command = item
         op = command.get("op")
-        if op == "generate":
+        if op == "submit":
+            try:
+                answer({"submitted": loop.submit(command, arrival_s)})
+            except Exception as exc:  # a request vLLM refuses (too long, a bad id) is answered, not fatal
+                answer({"error": f"submit: {type(exc).__name__}: {exc}"})
+        elif op == "generate":
+            loop.drain()
             answer({"results": generate(llm, command["prompts"], int(command["max_tokens"]))})
         elif op == "reset_prefix_cache":
+            loop.drain()
             answer({"ok": bool(llm.reset_prefix_cache())})
         elif op == "kill_after_lookup":
             arm_kill(int(command["pid"]))
@@ -316,6 +531,7 @@ def main() -> int:
             break
         else:
             answer({"error": f"unknown op {op!r}"})
+    loop.abort_all()
     llm.llm_engine.engine_core.shutdown()
     if event_log is not None:
         event_log.close()
