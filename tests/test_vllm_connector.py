@@ -268,3 +268,61 @@ def test_a_float32_cache_is_offloaded_too(vllm_python, tmp_path):
     records = list((tmp_path / "store").rglob("*.kvr"))
     assert len(records) >= STORED // BLOCK
     assert all(2 * BLOCK_BYTES < r.stat().st_size <= 2 * BLOCK_BYTES + 8192 for r in records)
+
+
+TP_ENGINE = """
+import json, random, sys
+from vllm import LLM, SamplingParams
+from vllm.config import KVTransferConfig
+
+def main():
+    model, endpoints, stats = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
+    extra = {"endpoint": endpoints, "load_policy": "always", "stats_file": stats}
+    kv = KVTransferConfig(kv_connector="KvswapConnector", kv_connector_module_path="kvswap.engines.vllm.connector",
+                          kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", block_size=%(block)d, tensor_parallel_size=2,
+              distributed_executor_backend="mp", enable_prefix_caching=True, max_model_len=2048, seed=0,
+              kv_cache_memory_bytes=80 * %(block_bytes)d // 2, kv_transfer_config=kv, max_num_batched_tokens=2048)
+    rng = random.Random(7)
+    prompt = [rng.randrange(3, 1000) for _ in range(%(tokens)d)]
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=0)
+    first = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    llm.reset_prefix_cache()
+    again = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    print("@@result " + json.dumps({"first": first.num_cached_tokens, "again": again.num_cached_tokens,
+                                    "tokens": [list(o.outputs[0].token_ids) for o in (first, again)]}), flush=True)
+
+if __name__ == "__main__":  # vLLM starts its workers with spawn
+    main()
+"""
+
+
+def test_tensor_parallel_ranks_each_load_from_their_own_daemon(vllm_python, tmp_path):
+    """TP=2: one kvswapd per rank; each rank saves its half of the heads to its own daemon, and a
+    prefix is a hit only where both hold it, then loads on both."""
+    daemons = [DaemonProcess(tmp_path / f"rank{r}", free_port(), free_port()).start() for r in range(2)]
+    mod = _load_engine_module()
+    model = mod.make_model_dir(str(tmp_path / "model"), LAYERS, HIDDEN, HEADS, KV_HEADS, 512, 1024)
+    script = tmp_path / "tp_engine.py"
+    script.write_text(TP_ENGINE % {"block": BLOCK, "block_bytes": BLOCK_BYTES, "tokens": PROMPT_TOKENS})
+    stats = tmp_path / "stats.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    log = tmp_path / "engine.log"
+    try:
+        with open(log, "wb") as out:
+            done = subprocess.run([vllm_python, str(script), model, ",".join(d.endpoint for d in daemons), str(stats)],
+                                  stdout=out, stderr=subprocess.STDOUT, env=env, timeout=900)
+        text = log.read_text(errors="replace")
+        assert done.returncode == 0, text[-3000:]
+        result = json.loads(text.split("@@result ", 1)[1].splitlines()[0])
+        assert result["first"] == 0 and result["again"] == STORED
+        assert result["tokens"][0] == result["tokens"][1]
+        loaded = [d.metric("kvswap_blocks_total", op="swap_in", status="loaded") for d in daemons]
+        assert loaded == [STORED // BLOCK] * 2
+        # Each rank registered its own half: two namespaces (tp_rank 0 and 1), one per daemon.
+        namespaces = [{p.name for p in (tmp_path / f"rank{r}").iterdir() if len(p.name) == 32} for r in range(2)]
+        assert all(len(n) == 1 for n in namespaces) and namespaces[0] != namespaces[1]
+        assert json.loads(stats.read_text())["counts"]["tokens_loaded"] == 2 * STORED
+    finally:
+        for d in daemons:
+            d.stop()
