@@ -48,6 +48,11 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 MARK = "@@kvswap "
+#: A step shorter than this that gave no output ran nothing (its requests all wait, e.g. for an
+#: asynchronous load): the loop then waits up to this long for a command before stepping again,
+#: rather than spin on 2 cores beside the daemon it waits for. A step that ran the model gave
+#: tokens or took longer (the replay's model: 5 ms and more a step); at worst one is 1 ms late.
+IDLE_STEP_S = 0.001
 
 
 def make_model_dir(path: str, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int,
@@ -400,7 +405,10 @@ class StepLoop:
                           "token_times_s": []}
         return rid
 
-    def step(self) -> None:
+    def step(self) -> bool:
+        """One engine step; False where it did nothing (every request waiting, for a load or for
+        room), which the caller answers by waiting a little before the next."""
+        started = time.monotonic()
         outputs = self.llm.llm_engine.step()
         now = time.monotonic()
         for out in outputs:
@@ -418,6 +426,7 @@ class StepLoop:
         if self.live and not self.llm.llm_engine.has_unfinished_requests():
             for key in list(self.live):  # never loop on requests the engine no longer has
                 self._fail(key, "the engine lost the request")
+        return bool(outputs) or now - started >= IDLE_STEP_S
 
     def _finish(self, key: str, out: Any, now: float) -> None:
         state = self.live.pop(key)
@@ -438,7 +447,8 @@ class StepLoop:
 
     def drain(self) -> None:
         while self.busy():
-            self.step()
+            if not self.step():
+                time.sleep(IDLE_STEP_S)  # commands wait meanwhile; nothing else to wake for
 
     def abort_all(self) -> None:
         if self.live:
@@ -501,14 +511,19 @@ def main() -> int:
     loop = StepLoop(llm)
     inbox = read_commands(sys.stdin)
     answer({"ready": True, "startup_s": time.perf_counter() - started})
+    idle = False  # the last step ran nothing
     while True:
         # Between two steps, every command that has come in is handled; with nothing running,
         # the loop sleeps until the next command.
         try:
-            item = inbox.get(block=not loop.busy())
+            if not loop.busy():
+                item = inbox.get()
+            else:
+                item = inbox.get(timeout=IDLE_STEP_S) if idle else inbox.get_nowait()
         except queue.Empty:
-            loop.step()
+            idle = not loop.step()
             continue
+        idle = False
         if item is None:
             break
         arrival_s, command = item
