@@ -21,7 +21,7 @@ back, so with N of S sessions in flight a session's turns are about S requests a
 
 Three engines, one run each: ``ideal`` (vLLM with a cache so large it never evicts), then
 ``baseline`` (vLLM's own prefix cache only), then ``kvswap`` (the connector, kvswapd with a RAM
-tier of ``--host-tier-mib`` and the file tier).
+tier of ``--host-tier-mib``, staging of ``--staging-mib`` and the file tier).
 
 - **The same conversation for all three.** ``ideal`` runs first and its answers are the
   conversation: baseline and kvswap are sent the same prompts, token for token, whatever they
@@ -58,10 +58,18 @@ Sizing (defaults): a block is 32 tokens, 128 KiB of KV. ``--cache-blocks`` defau
 system prompt's 8 blocks and 24 per session in flight, at least 72 (72 at N = 1 and 2, 200 at N
 = 8): room for the requests running (they share the system prompt; a turn's own blocks are ~5-40)
 but not for every session's history (16 sessions x 4 turns: ~330 distinct blocks by the last
-turn; 8 x 5: ~170). The RAM tier's 16 MiB hold at most 128 blocks, less than either, so the file
-tier serves too. The run prints these numbers and warns when a cache holds the whole history
-(with every session in flight, N = sessions, nothing is left to evict: the running requests
-are the history).
+turn; 8 x 5: ~170). kvswapd's RAM is its RAM tier and its staging: a record stays in the
+staging slot it was written or read through until the slot is needed (one copy, see
+daemon/staging.py), so with the daemon's default staging (256 + 64 MiB) every record here
+stays in RAM and files never serve. The replay gives kvswapd a 4 MiB RAM tier and 8 MiB each
+of write and read staging (a request's blocks, at most 64, fit one swap): at most 160 blocks
+in RAM, less than either history, so the file tier serves too (16 sessions x 3 turns at N = 2:
+27% of the loaded tokens from RAM, 73% from files; with an 8 MiB RAM tier and the default
+staging, 100% from RAM). A full staging makes kvswapd answer busy; the connector then
+recomputes, and the report's connector line counts the failed loads and saves.
+The run prints these numbers and warns when a cache holds the whole history (with every
+session in flight, N = sessions, nothing is left to evict: the running requests are the
+history).
 
 The model: a Llama shape with random weights written here (no download; not vLLM's dummy
 weights, whose output barely depends on the context, see vllm_engine.py). 8 layers, hidden 1024, 16 heads,
@@ -81,6 +89,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -109,6 +118,16 @@ def _engine_module() -> Any:
 def block_bytes(model: dict[str, int], block: int = BLOCK) -> int:
     head_dim = model["hidden"] // model["heads"]
     return model["layers"] * 2 * model["kv_heads"] * head_dim * block * 2  # bf16
+
+
+def kvswapd_ram_blocks(host_tier_mib: int, staging_mib: int) -> int:
+    """Records kvswapd can keep in RAM at most: its RAM tier, and its write and read staging,
+    whose idle slots keep the records they moved.
+
+    >>> kvswapd_ram_blocks(4, 8)
+    160
+    """
+    return ((host_tier_mib + 2 * staging_mib) << 20) // block_bytes(MODEL)
 
 
 def default_cache_blocks(concurrency: int, system_tokens: int) -> int:
@@ -373,13 +392,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sessions = make_sessions(args.seed, args.sessions, args.turns, args.system_tokens, args.max_answer, MODEL["vocab"])
     conversation = Conversation(sessions, args.seed, args.max_model_len, MODEL["vocab"])
     sizing = {"working_set_blocks": conversation.working_set_blocks(args.turns), "cache_blocks": args.cache_blocks,
-              "host_tier_blocks_at_most": (args.host_tier_mib << 20) // block_bytes(MODEL)}
+              "kvswapd_ram_blocks_at_most": kvswapd_ram_blocks(args.host_tier_mib, args.staging_mib)}
     print(f"sizing: the conversation's distinct full blocks ~{sizing['working_set_blocks']}, engine cache "
-          f"{args.cache_blocks} blocks, kvswap RAM tier at most {sizing['host_tier_blocks_at_most']} blocks", flush=True)
+          f"{args.cache_blocks} blocks, kvswapd's RAM (tier and staging) at most {sizing['kvswapd_ram_blocks_at_most']} "
+          "blocks", flush=True)
     if args.cache_blocks >= sizing["working_set_blocks"]:
         print("warning: the engine's own cache holds the whole history; kvswap has little to serve", flush=True)
-    elif sizing["host_tier_blocks_at_most"] >= sizing["working_set_blocks"]:
-        print("warning: kvswap's RAM tier holds the whole history; the file tier will serve nothing", flush=True)
+    elif sizing["kvswapd_ram_blocks_at_most"] >= sizing["working_set_blocks"]:
+        print("warning: kvswapd's RAM can hold the whole history; the file tier may serve nothing", flush=True)
     work = Path(tempfile.mkdtemp(prefix="kvswap-replay-"))
     model_dir = mod.make_model_dir(str(work / "model"), MODEL["layers"], MODEL["hidden"], MODEL["heads"],
                                    MODEL["kv_heads"], MODEL["intermediate"], MODEL["vocab"])
@@ -388,7 +408,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     daemon_log = open(out / "kvswapd.log", "wb")
     daemon = subprocess.Popen([sys.executable, "-m", "kvswap.daemon", "--cache-queue-port", str(port),
                                "--metrics-port", str(metrics_port), "--storage-dir", str(work / "store"),
-                               "--host-tier-bytes", str(args.host_tier_mib << 20)],
+                               "--host-tier-bytes", str(args.host_tier_mib << 20),
+                               "--write-staging-bytes", str(args.staging_mib << 20),
+                               "--read-staging-bytes", str(args.staging_mib << 20)],
                               stdout=daemon_log, stderr=subprocess.STDOUT)
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     common = ["--model", model_dir, "--block-size", str(BLOCK), "--block-bytes", str(block_bytes(MODEL)),
@@ -419,6 +441,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         daemon.terminate()
         daemon.wait(30)
         daemon_log.close()
+        shutil.rmtree(work, ignore_errors=True)  # the model (~210 MB) and kvswapd's files
     connector = json.loads(stats_file.read_text()) if stats_file.exists() else {}
     report = summarize(samples, connector, lookup_daemon, runs)
     report["config"] = {**vars(args), "model": MODEL, "block_size": BLOCK, "run_order": list(RUNS), **sizing}
@@ -559,9 +582,10 @@ def plot(samples: list[Sample], path: Path, concurrency: int) -> None:
         a.set_xlabel("turn of the conversation")
         a.set_ylabel(ylabel)
         a.set_xticks(xs)
-        a.set_title(f"Multi-turn replay, CPU vLLM, {concurrency} in flight: {title}")
+        a.set_title(title)
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
+    fig.suptitle(f"Multi-turn replay, CPU vLLM, up to {concurrency} session(s) in flight per engine")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -600,6 +624,12 @@ def print_report(report: dict[str, Any]) -> None:
     lookup = report.get("lookup_engine_ms") or {}
     print(f"lookup as the engine saw it: n={lookup.get('n')}, p50 {lookup.get('p50', float('nan')):.2f} ms, "
           f"p99 {lookup.get('p99', float('nan')):.2f} ms")
+    counts = report.get("connector", {}).get("counts", {})
+    errors = report.get("connector", {}).get("errors", {})
+    if counts or errors:  # a busy daemon (staging full) shows here as failed loads or saves
+        print(f"connector: {counts.get('tokens_loaded', 0)} tokens loaded, {counts.get('tokens_load_failed', 0)} "
+              f"failed to load, {counts.get('blocks_saved', 0)} blocks saved, {counts.get('save_failures', 0)} "
+              f"save failures; errors {json.dumps(errors)}")
     policy = report.get("connector", {}).get("policy", {})
     if policy:
         print(f"load policy: {json.dumps(policy)}")
@@ -618,7 +648,10 @@ def main() -> int:
                         help=f"the engine's own KV cache, in blocks [default: the system prompt's and "
                              f"{CACHE_BLOCKS_PER_SLOT} per session in flight, at least 72]")
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--host-tier-mib", type=int, default=16)
+    parser.add_argument("--host-tier-mib", type=int, default=4)
+    parser.add_argument("--staging-mib", type=int, default=8,
+                        help="kvswapd's write staging and its read staging, each; idle staging slots keep records "
+                             "too, so they count as RAM tier")
     parser.add_argument("--ideal-cache-blocks", type=int, default=1024,
                         help="the reference engine's cache, large enough never to evict")
     parser.add_argument("--load-policy", default="when_faster")

@@ -239,7 +239,8 @@ def test_default_sizes_leave_the_history_out_of_the_engines_cache():
     working = conv.working_set_blocks(4)
     assert 300 < working < 360
     assert replay.default_cache_blocks(1, 256) == 72 and replay.default_cache_blocks(8, 256) == 200 < working
-    host_blocks = (16 << 20) // replay.block_bytes(replay.MODEL)
-    assert host_blocks == 128 < working
+    ram_blocks = replay.kvswapd_ram_blocks(4, 8)  # the defaults: RAM tier and each staging, MiB
+    assert ram_blocks == 160 < working
+    assert replay.kvswapd_ram_blocks(16, 320) > working  # kvswapd's own staging would hold it all
     assert replay.tier_tokens({replay.LOADED: 4.0, replay.HOST_HITS: 9.0}, {}) == {"loaded": 128, "host": 128,
                                                                                   "file": 0}
