@@ -16,8 +16,9 @@ to stdout too, so answers carry a marker):
   ``generate`` and ``reset_prefix_cache`` wait until every submitted request has finished
   (``generate`` steps the engine until it has nothing left, so it would take their outputs).
 - ``{"op": "reset_prefix_cache"}``: empty the engine's own prefix cache
-- ``{"op": "kill_after_lookup", "pid": N}``: SIGKILL process N right after the next lookup
-  that finds stored blocks (a daemon dying between lookup and load; test seam)
+- ``{"op": "kill_after_lookup", "pid": N, "signal": S?}``: send signal S (SIGKILL unless
+  given) to process N right after the next lookup that finds stored blocks (a daemon dying, or
+  stopping, between lookup and load; test seam)
 - ``{"op": "exit"}``: shut the engine down (the connector writes its stats file); submitted
   requests still running are aborted, each with a completion ``{"id", "error": "aborted"}``
 
@@ -274,7 +275,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         from vllm.config import KVEventsConfig
 
         kv_events["kv_events_config"] = KVEventsConfig(**json.loads(args.kv_events_config))
-    return LLM(model=args.model, skip_tokenizer_init=True, dtype="bfloat16",
+    return LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype,
                block_size=args.block_size, distributed_executor_backend="uni", enable_prefix_caching=True,
                max_model_len=args.max_model_len, seed=0, disable_log_stats=False,
                kv_cache_memory_bytes=args.cache_blocks * args.block_bytes, kv_transfer_config=kv_transfer,
@@ -472,21 +473,24 @@ def read_commands(stream: Any) -> queue.Queue[tuple[float, dict[str, Any]] | Non
     return inbox
 
 
-def arm_kill(pid: int) -> None:
-    """Test seam: SIGKILL ``pid`` right after the next lookup that finds stored blocks."""
-    from kvswap.engines.vllm import connector as vllm_connector
+def arm_kill(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Test seam: send ``sig`` to ``pid`` right after the next lookup answer that finds stored
+    blocks (SIGKILL: a daemon dying between lookup and load; SIGSTOP: one that stops answering
+    while a load is out)."""
+    from kvswap.engines.vllm import lookups
 
-    original = vllm_connector.SchedulerSide._lookup
+    original = lookups.Lookups.ask
 
-    def lookup_then_kill(self: Any, keys: list[str]) -> int:
-        hits = original(self, keys)
-        if hits and getattr(vllm_connector.SchedulerSide, "_kill_pid", None):
-            os.kill(vllm_connector.SchedulerSide._kill_pid, signal.SIGKILL)
-            vllm_connector.SchedulerSide._kill_pid = None
+    def ask_then_signal(self: Any, req_id: str, keys: Any, start: int = 0) -> Any:
+        hits = original(self, req_id, keys, start)
+        armed = getattr(lookups.Lookups, "_signal", None)
+        if hits and armed:
+            lookups.Lookups._signal = None
+            os.kill(*armed)
         return hits
 
-    vllm_connector.SchedulerSide._kill_pid = pid
-    vllm_connector.SchedulerSide._lookup = lookup_then_kill
+    lookups.Lookups._signal = (pid, sig)
+    lookups.Lookups.ask = ask_then_signal
 
 
 def main() -> int:
@@ -499,6 +503,8 @@ def main() -> int:
     parser.add_argument("--block-bytes", type=int, required=True, help="bytes of one block over all layers")
     parser.add_argument("--cache-blocks", type=int, default=256, help="the engine's own KV cache, in blocks")
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--dtype", default="bfloat16", help="the model's and so the KV cache's dtype (float32: a "
+                        "CPU without bf16)")
     parser.add_argument("--connector-extra", default="", help="JSON: more kv_connector_extra_config keys")
     parser.add_argument("--kv-events-config", default="", help="JSON: vLLM's --kv-events-config")
     parser.add_argument("--kv-events-log", default="", help="write the engine's published KV events here")
@@ -540,7 +546,7 @@ def main() -> int:
             loop.drain()
             answer({"ok": bool(llm.reset_prefix_cache())})
         elif op == "kill_after_lookup":
-            arm_kill(int(command["pid"]))
+            arm_kill(int(command["pid"]), int(command.get("signal", signal.SIGKILL)))
             answer({"ok": True})
         elif op == "exit":
             break

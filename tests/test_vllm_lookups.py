@@ -50,11 +50,11 @@ def _connected(daemons: list[DaemonProcess], timeout: float = 5) -> list[Client]
     return clients
 
 
-def _answer(lookups: Lookups, req_id: str, keys: list[str], timeout: float = 30) -> tuple[int, int]:
+def _answer(lookups: Lookups, req_id: str, keys: list[str], start: int = 0, timeout: float = 30) -> tuple[int, int]:
     """Ask until answered, as the scheduler does once a step: (hits, how many calls said None)."""
     waited = 0
     deadline = time.monotonic() + timeout
-    while (hits := lookups.ask(req_id, keys)) is None:
+    while (hits := lookups.ask(req_id, keys, start)) is None:
         waited += 1
         assert time.monotonic() < deadline
     return hits, waited
@@ -72,12 +72,23 @@ def test_first_ask_sends_and_the_answer_is_the_prefix_every_rank_holds(ranks: li
         assert len(lookups) == 0 and answers[0][1:] == (8, 4) and answers[0][0] > 0
         # Each rank was asked once, at the same time (one lookup each, not one after the other).
         assert [d.metric("kvswap_requests_total", op="lookup", outcome="ok") for d in ranks] == [1, 1]
-        # A request that asks for other keys (its own cache now holds a block more) starts over.
-        assert lookups.ask("r2", KEYS) is None
-        assert lookups.ask("r2", KEYS[1:]) is None
-        assert _answer(lookups, "r2", KEYS[1:])[0] == 3
-        assert wait_until(lambda: sum(d.metric("kvswap_requests_total", op="lookup", outcome="ok")
-                                      for d in ranks) == 6)
+        # Sent when the request arrives (from its first block); the scheduler then asks from past
+        # the engine's own cache hit (1 block here), and the same reply answers it.
+        lookups.prefetch("r2", KEYS)
+        assert _answer(lookups, "r2", KEYS, start=1)[0] == 3
+        assert [d.metric("kvswap_requests_total", op="lookup", outcome="ok") for d in ranks] == [2, 2]
+        # The engine's cache holds more than the daemons do (5 blocks; rank 1 holds 4): what they
+        # hold past it is unknown, so it is asked again from there.
+        lookups.prefetch("r3", KEYS)
+        assert _answer(lookups, "r3", KEYS, start=5)[0] == 0  # rank 1 holds nothing past block 4
+        assert wait_until(lambda: [d.metric("kvswap_requests_total", op="lookup", outcome="ok")
+                                   for d in ranks] == [4, 4])
+        # A request whose engine cache now holds less than when it asked starts over.
+        lookups.prefetch("r4", KEYS[2:])
+        assert lookups.ask("r4", KEYS[1:]) is None
+        assert _answer(lookups, "r4", KEYS[1:])[0] == 3
+        assert wait_until(lambda: [d.metric("kvswap_requests_total", op="lookup", outcome="ok")
+                                   for d in ranks] == [6, 6])
     finally:
         lookups.close()
         for c in clients:

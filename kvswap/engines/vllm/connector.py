@@ -162,6 +162,10 @@ class KvswapConnector(KVConnectorBase_V1):
         tokens = self.scheduler.matched_tokens(request, num_computed_tokens)
         return tokens, bool(tokens) and self.scheduler.load_async
 
+    def on_new_request(self, request: Request) -> None:
+        if self.scheduler is not None:
+            self.scheduler.prefetch(request)
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
         self.scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
@@ -251,6 +255,15 @@ class SchedulerSide:
             req_id = request.request_id
             self._admit_s[req_id] = self._admit_s.get(req_id, 0.0) + time.perf_counter() - t
 
+    def prefetch(self, request: Any) -> None:
+        """A request was added: send its lookup now (see :mod:`.lookups`)."""
+        t = time.perf_counter()
+        if self.backoff.open:
+            keys = self._keys(request)
+            self.lookups.prefetch(request.request_id, keys[:loadable_blocks(len(keys), request.num_tokens,
+                                                                           self.block_size)])
+        self._admit_s[request.request_id] = time.perf_counter() - t
+
     def _matched(self, request: Any, num_computed_tokens: int) -> int | None:
         req_id = request.request_id
         self._pending.pop(req_id, None)
@@ -260,7 +273,7 @@ class SchedulerSide:
         if first >= usable or not self.backoff.open:
             self.lookups.forget(req_id)
             return 0
-        hits = self.lookups.ask(req_id, keys[first:usable])
+        hits = self.lookups.ask(req_id, keys[:usable], first)
         if not hits:
             return hits  # None: ask again next step
         # Stored in kvswap, so not worth saving again whether or not it is loaded.

@@ -4,11 +4,17 @@ their replies on a later call.
 vLLM's scheduler asks ``get_num_new_matched_tokens`` for each waiting request, every step, and
 serves every request in between; a connector that waits for a round trip there stalls them
 all (a slow daemon, a busy loop, a full socket queue). vLLM lets the answer be ``None``: "not
-known yet, ask again". :class:`Lookups` sends the lookup the first time it is asked, answers
-``None`` until every daemon replied, then the stored prefix: the shortest of the ranks' (a
-block is loadable only where every rank holds it). The answer is a step old when the engine
-acts on it; a record evicted in between fails its load, which vLLM recomputes (the load-error
-path), never a wrong token.
+known yet, ask again". :class:`Lookups` answers ``None`` until every daemon replied, then the
+stored prefix: the shortest of the ranks' (a block is loadable only where every rank holds it).
+
+An answer of ``None`` costs the request a scheduler step, so the lookup is sent earlier, when
+vLLM adds the request (``on_new_request``), for the request's keys from its first block: by
+the time the scheduler first asks (from past the engine's own prefix-cache hit) the reply is
+usually there, and answers that question too as long as the daemons hold at least what the
+engine's own cache does (they saved it). Otherwise the lookup goes out again from there.
+
+The answer is older than the load that acts on it; a record evicted in between fails its
+load, which vLLM recomputes (the load-error path), never a wrong token.
 
 No vLLM here: the suite drives this against a real kvswapd.
 """
@@ -30,6 +36,8 @@ MAX_IN_FLIGHT = 4096
 
 @dataclass
 class _Asked:
+    #: The asked keys are the request's from block ``start`` on.
+    start: int
     keys: tuple[str, ...]
     #: One request id per client, in client order.
     ids: list[int]
@@ -58,23 +66,33 @@ class Lookups:
     def __len__(self) -> int:
         return len(self._asked)
 
-    def ask(self, req_id: str, keys: Sequence[str]) -> int | None:
-        """How many leading ``keys`` every daemon holds, or None while a reply is missing."""
+    def ask(self, req_id: str, keys: Sequence[str], start: int = 0) -> int | None:
+        """How many of ``keys[start:]``, from the first on, every daemon holds; None while a
+        reply is missing (sent now, if it was not)."""
         self._reap()
-        keys = tuple(keys)
+        wanted = tuple(keys[start:])
         asked = self._asked.get(req_id)
-        if asked is not None and asked.keys != keys:
-            # The engine's own cache moved the start (it holds more, or less, than a step ago).
+        if asked is not None and not (asked.start <= start and asked.keys[start - asked.start:] == wanted):
+            # Asked for other keys (the engine's own cache holds less than a step ago).
             self.forget(req_id)
             asked = None
         if asked is None:
-            if len(self._asked) >= MAX_IN_FLIGHT:
-                return 0
-            return self._send(req_id, keys)
+            return self._send(req_id, wanted, start)
         if not all(client.done(i) for client, i in zip(self.clients, asked.ids)):
             return None
         del self._asked[req_id]
-        return self._answer(asked)
+        hits = self._answer(asked)
+        skip = start - asked.start
+        if hits >= skip:
+            return hits - skip
+        # The daemons hold less than the engine's own cache: what they hold past it is unknown.
+        return self._send(req_id, wanted, start)
+
+    def prefetch(self, req_id: str, keys: Sequence[str]) -> None:
+        """Send the lookup of a request just added, from its first block, so that its reply is
+        likely there when the scheduler first asks."""
+        if keys and req_id not in self._asked:
+            self._send(req_id, tuple(keys), 0)
 
     def forget(self, req_id: str) -> None:
         """The request left (finished, aborted) or asks for other keys: drop its lookup."""
@@ -82,7 +100,9 @@ class Lookups:
         if asked is not None:
             self._abandoned.extend(zip(self.clients, asked.ids))
 
-    def _send(self, req_id: str, keys: tuple[str, ...]) -> int | None:
+    def _send(self, req_id: str, keys: tuple[str, ...], start: int) -> int | None:
+        if len(self._asked) >= MAX_IN_FLIGHT:
+            return 0
         ids: list[int] = []
         try:
             for client in self.clients:
@@ -91,7 +111,7 @@ class Lookups:
             self._abandoned.extend(zip(self.clients, ids))
             self.on_error(exc)
             return 0
-        self._asked[req_id] = _Asked(keys, ids, time.perf_counter())
+        self._asked[req_id] = _Asked(start, keys, ids, time.perf_counter())
         return None
 
     def _answer(self, asked: _Asked) -> int:
