@@ -474,23 +474,23 @@ def read_commands(stream: Any) -> queue.Queue[tuple[float, dict[str, Any]] | Non
 
 
 def arm_kill(pid: int, sig: int = signal.SIGKILL) -> None:
-    """Test seam: send ``sig`` to ``pid`` right after the next lookup answer that finds stored
-    blocks (SIGKILL: a daemon dying between lookup and load; SIGSTOP: one that stops answering
-    while a load is out)."""
-    from kvswap.engines.vllm import lookups
+    """Test seam: send ``sig`` to ``pid`` right after the connector's scheduler next finds a
+    stored prefix to load (SIGKILL: a daemon dying between lookup and load; SIGSTOP: one that
+    stops answering while a load is out)."""
+    from kvswap.engines.vllm import connector
 
-    original = lookups.Lookups.ask
+    original = connector.SchedulerSide.matched_tokens
 
-    def ask_then_signal(self: Any, req_id: str, keys: Any, start: int = 0) -> Any:
-        hits = original(self, req_id, keys, start)
-        armed = getattr(lookups.Lookups, "_signal", None)
-        if hits and armed:
-            lookups.Lookups._signal = None
+    def matched_then_signal(self: Any, request: Any, num_computed_tokens: int) -> Any:
+        tokens = original(self, request, num_computed_tokens)
+        armed = getattr(connector.SchedulerSide, "_signal", None)
+        if tokens and armed:
+            connector.SchedulerSide._signal = None
             os.kill(*armed)
-        return hits
+        return tokens
 
-    lookups.Lookups._signal = (pid, sig)
-    lookups.Lookups.ask = ask_then_signal
+    connector.SchedulerSide._signal = (pid, sig)
+    connector.SchedulerSide.matched_tokens = matched_then_signal
 
 
 def main() -> int:

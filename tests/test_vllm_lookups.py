@@ -153,3 +153,20 @@ def test_a_daemon_that_is_down_answers_a_miss_at_once(tmp_path: Path, monkeypatc
     finally:
         lookups.close()
         client.close()
+
+
+def test_the_known_view_answers_prefixes_forgets_failures_and_stays_bounded() -> None:
+    from kvswap.engines.vllm.known import KnownKeys
+
+    known = KnownKeys(capacity=5)
+    known.add(KEYS[:4])
+    assert known.prefix(KEYS) == 4 and known.prefix(KEYS[1:]) == 3 and known.prefix(KEYS[4:]) == 0
+    known.forget([KEYS[2]])  # its load failed: recomputed, and asked of the daemons again
+    assert known.prefix(KEYS) == 2
+    known.add(KEYS[4:8])  # 7 added, 5 kept: the least recently touched go first
+    assert len(known) == 5
+    assert known.prefix(KEYS[4:]) == 4
+    # Touched last before the adds: KEYS[3], then KEYS[0] and KEYS[1] (by prefix()); so 3 and 0 went.
+    assert known.prefix(KEYS[:1]) == 0 and known.prefix(KEYS[1:2]) == 1 and known.prefix(KEYS[3:4]) == 0
+    with pytest.raises(ValueError):
+        KnownKeys(capacity=-1)

@@ -65,6 +65,7 @@ from kvswap.protocol.client import Client
 from kvswap.protocol.errors import KvswapError, Unavailable
 
 from .events import EventForwarder
+from .known import DEFAULT_CAPACITY, KnownKeys
 from .lookups import Lookups
 from .plan import (
     Backoff,
@@ -228,6 +229,8 @@ class SchedulerSide:
         self.stats = ConnectorStats(extra.get("stats_file"))
         self.lookups = Lookups(self.clients, float(extra.get("lookup_timeout_s", 1.0)), self.stats.lookup,
                                self._lookup_failed)
+        #: What kvswap holds as far as this scheduler knows (:mod:`.known`): answered at once.
+        self.known = KnownKeys(int(extra.get("known_keys", DEFAULT_CAPACITY)))
         self._pending: dict[str, tuple[int, int]] = {}  # req_id -> (first block, blocks to load)
         #: Scheduler time the connector spent on each request not yet admitted (its lookups'
         #: calls and the load's planning): the cost a new request pays on the scheduler.
@@ -273,9 +276,15 @@ class SchedulerSide:
         if first >= usable or not self.backoff.open:
             self.lookups.forget(req_id)
             return 0
-        hits = self.lookups.ask(req_id, keys[:usable], first)
-        if not hits:
-            return hits  # None: ask again next step
+        hits: int | None = self.known.prefix(keys[first:usable])
+        if hits:
+            self.lookups.forget(req_id)  # the prefetched lookup is not needed
+            self.stats.counts["lookups_answered_locally"] += 1
+        else:
+            hits = self.lookups.ask(req_id, keys[:usable], first)
+            if not hits:
+                return hits  # None: ask again next step
+            self.known.add(keys[first:first + hits])
         # Stored in kvswap, so not worth saving again whether or not it is loaded.
         tracked = self._tracked.setdefault(req_id, _Tracked(request))
         tracked.saved = max(tracked.saved, first + hits)
@@ -351,9 +360,13 @@ class SchedulerSide:
                                     self.block_size, todo, maybe_convert_block_hash, lora)
             meta.saves.append(Transfer(request.request_id, keys[todo.start:todo.stop],
                                        tracked.block_ids[todo.start:todo.stop], metas))
+            # Known from now on: a request arriving while the copy is out finds it in flight
+            # in the daemon, or fails its load and recomputes.
+            self.known.add(keys[todo.start:todo.stop])
             tracked.saved = todo.stop
 
     def take_report(self, report: KvswapWorkerMetadata) -> None:
+        self.known.forget(report.failed_keys)
         for blocks, seconds in report.load_samples:
             self.policy.observe_load(blocks, seconds)
         for tokens, seconds in report.forward_samples:

@@ -83,6 +83,8 @@ class KvswapWorkerMetadata(KVConnectorWorkerMetadata):
     save_s: float = 0.0
     #: Saves a step had to wait for because it reuses one of their blocks.
     save_waits: int = 0
+    #: Keys whose load or save failed: the scheduler's view of what kvswap holds forgets them.
+    failed_keys: list[str] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KvswapWorkerMetadata)
@@ -90,7 +92,7 @@ class KvswapWorkerMetadata(KVConnectorWorkerMetadata):
             self.load_samples + other.load_samples, self.forward_samples + other.forward_samples,
             self.loaded_blocks + other.loaded_blocks, self.failed_blocks + other.failed_blocks,
             self.saved_blocks + other.saved_blocks, self.save_failures + other.save_failures,
-            self.save_s + other.save_s, self.save_waits + other.save_waits)
+            self.save_s + other.save_s, self.save_waits + other.save_waits, self.failed_keys + other.failed_keys)
 
 
 class WorkerSide:
@@ -115,8 +117,9 @@ class WorkerSide:
         self.send_meta = bool(self.block_meta)
         self.backoff = Backoff(float(extra.get("retry_s", 5.0)))
         self._errors: set[int] = set()
-        #: swap_out requests sent, replies not collected: request id -> the blocks they read.
-        self._saves: dict[int, frozenset[int]] = {}
+        #: swap_out requests sent, replies not collected: request id -> (the blocks they read,
+        #: their keys).
+        self._saves: dict[int, tuple[frozenset[int], tuple[str, ...]]] = {}
         #: Loads sent, replies not collected: request id -> (the load, when it was sent).
         self._loads: dict[int, tuple[Transfer, float]] = {}
         #: vLLM requests whose loads ended (landed or not), for the next ``get_finished``.
@@ -212,7 +215,9 @@ class WorkerSide:
             return
         for load in meta.loads:
             if not self.usable:
-                self._failed(load, load.block_ids)
+                self._failed(load, 0)
+                if meta.load_async:
+                    self._loaded.add(load.req_id)
             elif meta.load_async:
                 self._send_load(load)
             else:
@@ -220,10 +225,12 @@ class WorkerSide:
         if not meta.load_async:
             self._forward_started = time.perf_counter()  # the forward starts after the loads
 
-    def _failed(self, load: Transfer, blocks: list[int]) -> None:
+    def _failed(self, load: Transfer, start: int) -> None:
+        """The load ended; its blocks from ``start`` on did not land."""
+        blocks = load.block_ids[start:]
         self._report.failed_blocks += len(blocks)
+        self._report.failed_keys.extend(load.keys[start:])
         self._errors.update(blocks)
-        self._loaded.add(load.req_id)
 
     def _load(self, load: Transfer) -> None:
         t = time.perf_counter()
@@ -239,7 +246,7 @@ class WorkerSide:
         if loaded:
             self._report.load_samples.append((loaded, seconds))
         self._report.loaded_blocks += loaded
-        self._failed(load, load.block_ids[loaded:])
+        self._failed(load, loaded)
 
     def _send_load(self, load: Transfer) -> None:
         assert self.client is not None
@@ -251,7 +258,8 @@ class WorkerSide:
         except KvswapError as exc:
             self.backoff.failed(exc)
             log.warning("kvswap connector: load of %d blocks not sent (%s); recomputing", len(load.keys), exc)
-            self._failed(load, load.block_ids)
+            self._failed(load, 0)
+            self._loaded.add(load.req_id)
             return
         self._loads[request_id] = (load, time.perf_counter())
 
@@ -272,6 +280,7 @@ class WorkerSide:
                     log.warning("kvswap connector: load of %d blocks failed (%s); recomputing", len(load.keys), exc)
                     loaded = 0
                 self._landed(load, loaded, time.perf_counter() - sent)
+                self._loaded.add(load.req_id)
         finished, self._loaded = self._loaded, set()
         return finished
 
@@ -298,7 +307,7 @@ class WorkerSide:
                     if self.send_meta and save.metas:
                         body["block_meta"] = tuple(m.to_wire() for m in save.metas[i:i + step])
                     self._saves[self.client.send(SwapOut, body, timeout=self.timeout, block=False)] = \
-                        frozenset(save.block_ids[i:i + step])
+                        (frozenset(save.block_ids[i:i + step]), tuple(save.keys[i:i + step]))
         except KvswapError as exc:
             # Nothing to undo: the blocks are simply not offloaded.
             self.backoff.failed(exc)
@@ -317,28 +326,30 @@ class WorkerSide:
             return
         assert self.client is not None
         started = time.perf_counter()
-        for request_id, blocks in list(self._saves.items()):
+        for request_id, (blocks, _) in list(self._saves.items()):
             must_wait = reused is None or not blocks.isdisjoint(reused)
             if must_wait or self.client.done(request_id):
                 if must_wait and not self.client.done(request_id):
                     self._report.save_waits += 1
-                del self._saves[request_id]
                 self._collect_save(request_id)
         self._report.save_s += time.perf_counter() - started
 
     def _collect_save(self, request_id: int) -> None:
         assert self.client is not None
+        _, keys = self._saves.pop(request_id)
         try:
             out = self.client.wait(request_id, timeout=self.timeout)
-        except NotRegistered:
-            self.registered = False  # the daemon restarted: these blocks are not offloaded
-            self._report.save_failures += 1
         except KvswapError as exc:
-            self.backoff.failed(exc)
+            if isinstance(exc, NotRegistered):
+                self.registered = False  # the daemon restarted: these blocks are not offloaded
+            else:
+                self.backoff.failed(exc)
             self._report.save_failures += 1
+            self._report.failed_keys.extend(keys)
         else:
             self._report.saved_blocks += out["queued"] + out["exists"]
             self._report.save_failures += out["failed"]
+            self._report.failed_keys.extend(k for k, st in zip(keys, out["status"]) if st not in ("queued", "exists"))
 
     def take_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
