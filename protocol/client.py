@@ -208,18 +208,25 @@ class Client(_Base):
         self._give_up[request.id] = time.monotonic() + timeout + GRACE_S
         return request.id
 
-    def done(self, request_id: int) -> bool:
+    def done(self, request_id: int, within: float = 0.0) -> bool:
         """Whether :meth:`wait` for a sent request would return (or raise) at once: its reply
-        came, or the client's wait for it is over. Never blocks: reads the replies that have
-        arrived. For callers that must not wait, such as an engine's scheduler."""
-        while self._sock.poll(0, zmq.POLLIN):
-            self._take(self._sock.recv())
-        if request_id in self._replies:
-            return True
+        came, or the client's wait for it is over. Reads the replies that have arrived, waiting
+        at most ``within`` seconds for this one (0: never blocks; for callers that must not
+        wait, such as an engine's scheduler)."""
         give_up = self._give_up.get(request_id)
-        if give_up is None:
+        if give_up is None and request_id not in self._replies:
             raise KeyError(f"request {request_id} was not sent by this client or was already collected")
-        return time.monotonic() >= give_up
+        until = time.monotonic() + within
+        while True:
+            while self._sock.poll(0, zmq.POLLIN):
+                self._take(self._sock.recv())
+            if request_id in self._replies:
+                return True
+            now = time.monotonic()
+            if give_up is not None and now >= give_up:
+                return True
+            if now >= until or not self._sock.poll(max(1, int((until - now) * 1000)), zmq.POLLIN):
+                return False
 
     def wait(self, request_id: int, timeout: float | None = None) -> dict[str, Any]:
         """The result of a sent request; raises its typed error."""

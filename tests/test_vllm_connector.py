@@ -239,37 +239,6 @@ def test_daemon_killed_between_lookup_and_load_recomputes(engine, kvswapd):
     print(f"\n[vllm] connector stats: {json.dumps(stats)}")
 
 
-def test_a_float32_cache_is_offloaded_too(vllm_python, tmp_path):
-    """CPUs without bf16 run vLLM with a float32 KV cache: it is registered and served like any
-    other (it once logged an error and ran without offload)."""
-    daemon = DaemonProcess(tmp_path / "store", free_port(), free_port()).start()
-    mod = _load_engine_module()
-    model = mod.make_model_dir(str(tmp_path / "model"), LAYERS, HIDDEN, HEADS, KV_HEADS, 512, 1024)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    log = tmp_path / "engine.log"
-    engine = mod.EngineProcess(vllm_python, ["--model", model, "--endpoint", daemon.endpoint, "--dtype", "float32",
-                                             "--block-size", str(BLOCK), "--block-bytes", str(BLOCK_BYTES * 2),
-                                             "--cache-blocks", "80", "--max-model-len", "2048",
-                                             "--load-policy", "always"], str(log), env=env)
-    try:
-        prompt = _prompt(6, PROMPT_TOKENS)
-        first = engine.generate([prompt], 8)[0]
-        assert engine.call({"op": "reset_prefix_cache"})["ok"]
-        again = engine.generate([prompt], 8)[0]
-        assert again["num_cached_tokens"] == STORED
-        assert daemon.metric("kvswap_blocks_total", op="swap_in", status="loaded") == STORED // BLOCK
-        assert again["tokens"] == first["tokens"]
-        assert again["logprobs"] == pytest.approx(first["logprobs"], abs=1e-6)
-    finally:
-        engine.close()
-        daemon.stop()
-    assert "running without offload" not in log.read_text(errors="replace")
-    # Four bytes an element: each record holds twice a bf16 block (plus its header).
-    records = list((tmp_path / "store").rglob("*.kvr"))
-    assert len(records) >= STORED // BLOCK
-    assert all(2 * BLOCK_BYTES < r.stat().st_size <= 2 * BLOCK_BYTES + 8192 for r in records)
-
-
 TP_ENGINE = """
 import json, random, sys
 from vllm import LLM, SamplingParams
@@ -280,9 +249,9 @@ def main():
     extra = {"endpoint": endpoints, "load_policy": "always", "stats_file": stats}
     kv = KVTransferConfig(kv_connector="KvswapConnector", kv_connector_module_path="kvswap.engines.vllm.connector",
                           kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
-    llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", block_size=%(block)d, tensor_parallel_size=2,
+    llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", block_size=%(block)d, tensor_parallel_size=2,
               distributed_executor_backend="mp", enable_prefix_caching=True, max_model_len=2048, seed=0,
-              kv_cache_memory_bytes=80 * %(block_bytes)d // 2, kv_transfer_config=kv, max_num_batched_tokens=2048)
+              kv_cache_memory_bytes=80 * %(block_bytes)d, kv_transfer_config=kv, max_num_batched_tokens=2048)
     rng = random.Random(7)
     prompt = [rng.randrange(3, 1000) for _ in range(%(tokens)d)]
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=0)
@@ -297,9 +266,11 @@ if __name__ == "__main__":  # vLLM starts its workers with spawn
 """
 
 
-def test_tensor_parallel_ranks_each_load_from_their_own_daemon(vllm_python, tmp_path):
+def test_tensor_parallel_ranks_each_load_from_their_own_daemon_with_a_float32_cache(vllm_python, tmp_path):
     """TP=2: one kvswapd per rank; each rank saves its half of the heads to its own daemon, and a
-    prefix is a hit only where both hold it, then loads on both."""
+    prefix is a hit only where both hold it, then loads on both. The cache is float32 (CPUs
+    without bf16 run vLLM so; it once logged an error and ran without offload): one engine start
+    checks both."""
     daemons = [DaemonProcess(tmp_path / f"rank{r}", free_port(), free_port()).start() for r in range(2)]
     mod = _load_engine_module()
     model = mod.make_model_dir(str(tmp_path / "model"), LAYERS, HIDDEN, HEADS, KV_HEADS, 512, 1024)
@@ -323,6 +294,13 @@ def test_tensor_parallel_ranks_each_load_from_their_own_daemon(vllm_python, tmp_
         namespaces = [{p.name for p in (tmp_path / f"rank{r}").iterdir() if len(p.name) == 32} for r in range(2)]
         assert all(len(n) == 1 for n in namespaces) and namespaces[0] != namespaces[1]
         assert json.loads(stats.read_text())["counts"]["tokens_loaded"] == 2 * STORED
+        assert "running without offload" not in text
     finally:
         for d in daemons:
             d.stop()
+    # Four bytes an element, half the heads a rank: each record holds a bf16 block's bytes (plus
+    # its header), on each rank.
+    for r in range(2):
+        records = list((tmp_path / f"rank{r}").rglob("*.kvr"))
+        assert len(records) >= STORED // BLOCK
+        assert all(BLOCK_BYTES < f.stat().st_size <= BLOCK_BYTES + 8192 for f in records)

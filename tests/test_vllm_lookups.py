@@ -123,6 +123,34 @@ def test_a_rank_that_stops_answering_costs_a_miss_not_a_wait(ranks: list[DaemonP
             c.close()
 
 
+def test_the_first_ask_waits_for_the_replies_within_its_budget(ranks: list[DaemonProcess]) -> None:
+    clients = _connected(ranks)
+    lookups = Lookups(clients, timeout=5, wait_s=5.0)
+    try:
+        assert lookups.ask("r1", KEYS) == 4  # answered in the first call: no scheduler step lost
+    finally:
+        lookups.close()
+    stopped = ranks[1].proc
+    assert stopped is not None
+    lookups = Lookups(clients, timeout=5, wait_s=0.05)
+    os.kill(stopped.pid, signal.SIGSTOP)
+    try:
+        t = time.perf_counter()
+        assert lookups.ask("r2", KEYS) is None  # rank 1 does not answer: the budget, then None
+        first = time.perf_counter() - t
+        t = time.perf_counter()
+        assert lookups.ask("r2", KEYS) is None
+        again = time.perf_counter() - t
+        # The budget is per request, spent once: a slow daemon costs the scheduler ~50 ms per new
+        # request, not per step.
+        assert 0.04 <= first < 2 and again < 0.03
+    finally:
+        os.kill(stopped.pid, signal.SIGCONT)
+        lookups.close()
+        for c in clients:
+            c.close()
+
+
 def test_a_forgotten_lookup_is_collected_when_its_reply_comes(ranks: list[DaemonProcess]) -> None:
     clients = _connected(ranks)
     lookups = Lookups(clients, timeout=5)

@@ -228,7 +228,7 @@ class SchedulerSide:
         self.policy = LoadPolicy(self.block_size, str(extra.get("load_policy", "when_faster")))
         self.stats = ConnectorStats(extra.get("stats_file"))
         self.lookups = Lookups(self.clients, float(extra.get("lookup_timeout_s", 1.0)), self.stats.lookup,
-                               self._lookup_failed)
+                               self._lookup_failed, wait_s=float(extra.get("lookup_wait_ms", 2.0)) / 1000)
         #: What kvswap holds as far as this scheduler knows (:mod:`.known`): answered at once.
         self.known = KnownKeys(int(extra.get("known_keys", DEFAULT_CAPACITY)))
         self._pending: dict[str, tuple[int, int]] = {}  # req_id -> (first block, blocks to load)

@@ -42,10 +42,18 @@ class _Asked:
     #: One request id per client, in client order.
     ids: list[int]
     sent: float
+    #: Scheduler time already spent waiting for the replies (see ``wait_s``).
+    waited: float = 0.0
 
 
 class Lookups:
     """The lookups of waiting requests, by vLLM request id.
+
+    ``wait_s``: how long, in all, the calls for one request may wait for its replies before
+    answering None. A None costs that request a scheduler step, tens of ms once a batch runs,
+    while a wait holds every request for as long; a budget of about one idle round trip (1-2
+    ms here) answers most lookups in the first call and bounds what a slow daemon costs the
+    scheduler per new request. 0: never wait.
 
     ``on_error(exc)`` is told of a daemon's failure (the answer is then 0 hits); ``on_answer(
     seconds, keys, hits)`` of each answer, ``seconds`` from sending to the call that saw the
@@ -53,9 +61,10 @@ class Lookups:
 
     def __init__(self, clients: Sequence[Client], timeout: float,
                  on_answer: Callable[[float, int, int], None] = lambda s, k, h: None,
-                 on_error: Callable[[KvswapError], None] = lambda exc: None) -> None:
+                 on_error: Callable[[KvswapError], None] = lambda exc: None, wait_s: float = 0.0) -> None:
         self.clients = list(clients)
         self.timeout = timeout
+        self.wait_s = wait_s
         self.on_answer = on_answer
         self.on_error = on_error
         self._asked: dict[str, _Asked] = {}
@@ -77,8 +86,10 @@ class Lookups:
             self.forget(req_id)
             asked = None
         if asked is None:
-            return self._send(req_id, wanted, start)
-        if not all(client.done(i) for client, i in zip(self.clients, asked.ids)):
+            if self._send(req_id, wanted, start) == 0:
+                return 0
+            asked = self._asked[req_id]
+        if not self._replied(asked):
             return None
         del self._asked[req_id]
         hits = self._answer(asked)
@@ -87,6 +98,16 @@ class Lookups:
             return hits - skip
         # The daemons hold less than the engine's own cache: what they hold past it is unknown.
         return self._send(req_id, wanted, start)
+
+    def _replied(self, asked: _Asked) -> bool:
+        """Whether every daemon replied, waiting for them up to what is left of the budget."""
+        started = time.perf_counter()
+        for client, request_id in zip(self.clients, asked.ids):
+            left = self.wait_s - asked.waited - (time.perf_counter() - started)
+            if not client.done(request_id, within=max(0.0, left)):
+                asked.waited += time.perf_counter() - started
+                return False
+        return True
 
     def prefetch(self, req_id: str, keys: Sequence[str]) -> None:
         """Send the lookup of a request just added, from its first block, so that its reply is
