@@ -4,10 +4,12 @@
         "kv_connector_module_path": "kvswap.engines.vllm.connector",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}'
 
-Scheduler side (:class:`SchedulerSide`): for a new request, send a ``lookup`` of the
-engine's chained block hashes past what the engine's own prefix cache holds to every rank's
-daemon and answer "ask again" (None) until all replied (:mod:`.lookups`: the scheduler never
-waits on a round trip); claim the stored prefix as an external hit, loaded asynchronously,
+Scheduler side (:class:`SchedulerSide`): for a new request, the stored prefix of the
+engine's chained block hashes past what the engine's own prefix cache holds: from what the
+scheduler knows kvswap holds (:mod:`.known`: this engine's saves, loads and lookup answers),
+else from a ``lookup`` sent to every rank's daemon when vLLM added the request, answered "ask
+again" (None) until all replied, after at most ``lookup_wait_ms`` of waiting (:mod:`.lookups`);
+claim the stored prefix as an external hit, loaded asynchronously,
 only when the load policy (:mod:`.policy`) expects loading to beat recomputing; plan a
 ``swap_in`` into the blocks vLLM allocates, and a ``swap_out`` of every block the step
 completes that kvswap does not already hold.
@@ -32,7 +34,8 @@ through ``take_events`` (:mod:`.events`).
 The daemon: ``kv_connector_extra_config["endpoint"]`` (one endpoint, or a list in rank
 order), else ``KVSWAP_ENDPOINTS`` as ``kvswap launch`` sets it (rank i -> i-th), else
 ``tcp://127.0.0.1:55500``. The other ``kv_connector_extra_config`` keys (``load_policy``,
-``timeout_s``, ``lookup_timeout_s``, ``load_async``, ``connect_timeout_s``, ``retry_s``, ``model_id``,
+``timeout_s``, ``lookup_timeout_s``, ``lookup_wait_ms``, ``known_keys``, ``load_async``,
+``connect_timeout_s``, ``retry_s``, ``model_id``,
 ``stats_file``, ``block_meta``, ``kv_events_endpoint``, ``kv_events_replay_endpoint``,
 ``kv_events_topic``) are listed in docs/integration.md.
 
@@ -314,7 +317,9 @@ class SchedulerSide:
             keys = self._keys(request)[first:first + count]
             self._loads.append(Transfer(req_id, keys, list(block_ids[first:first + count])))
             tracked.saved = max(tracked.saved, first + count)
-        self.stats.admitted(self._admit_s.pop(req_id, 0.0) + time.perf_counter() - t)
+        spent = self._admit_s.pop(req_id, None)
+        if spent is not None:  # vLLM calls this again for an async load once it landed: not a new request
+            self.stats.admitted(spent + time.perf_counter() - t)
 
     def build_meta(self, out: SchedulerOutput) -> KvswapMetadata:
         t = time.perf_counter()
