@@ -245,8 +245,8 @@ from vllm import LLM, SamplingParams
 from vllm.config import KVTransferConfig
 
 def main():
-    model, endpoints, stats = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
-    extra = {"endpoint": endpoints, "load_policy": "always", "stats_file": stats}
+    model, endpoints = sys.argv[1], sys.argv[2].split(",")
+    extra = {"endpoint": endpoints, "load_policy": "always"}
     kv = KVTransferConfig(kv_connector="KvswapConnector", kv_connector_module_path="kvswap.engines.vllm.connector",
                           kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
     llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", block_size=%(block)d, tensor_parallel_size=2,
@@ -276,12 +276,11 @@ def test_tensor_parallel_ranks_each_load_from_their_own_daemon_with_a_float32_ca
     model = mod.make_model_dir(str(tmp_path / "model"), LAYERS, HIDDEN, HEADS, KV_HEADS, 512, 1024)
     script = tmp_path / "tp_engine.py"
     script.write_text(TP_ENGINE % {"block": BLOCK, "block_bytes": BLOCK_BYTES, "tokens": PROMPT_TOKENS})
-    stats = tmp_path / "stats.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     log = tmp_path / "engine.log"
     try:
         with open(log, "wb") as out:
-            done = subprocess.run([vllm_python, str(script), model, ",".join(d.endpoint for d in daemons), str(stats)],
+            done = subprocess.run([vllm_python, str(script), model, ",".join(d.endpoint for d in daemons)],
                                   stdout=out, stderr=subprocess.STDOUT, env=env, timeout=900)
         text = log.read_text(errors="replace")
         assert done.returncode == 0, text[-3000:]
@@ -293,7 +292,6 @@ def test_tensor_parallel_ranks_each_load_from_their_own_daemon_with_a_float32_ca
         # Each rank registered its own half: two namespaces (tp_rank 0 and 1), one per daemon.
         namespaces = [{p.name for p in (tmp_path / f"rank{r}").iterdir() if len(p.name) == 32} for r in range(2)]
         assert all(len(n) == 1 for n in namespaces) and namespaces[0] != namespaces[1]
-        assert json.loads(stats.read_text())["counts"]["tokens_loaded"] == 2 * STORED
         assert "running without offload" not in text
     finally:
         for d in daemons:
