@@ -25,8 +25,10 @@ already live in their own modules.)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
+import time
 from collections import Counter
 from concurrent.futures import Future
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
@@ -274,8 +276,10 @@ class Swapper:
 
     async def swap_in(self, keys: Sequence[str], block_ids: Sequence[int], deadline: Deadline,
                       caller: Caller = ANONYMOUS) -> SwapInResult:
+        started = time.perf_counter()
         lease = self.registrar.lease(caller)
-        return await asyncio.shield(self._holding(lease, self._swap_in(lease, keys, block_ids, deadline)))
+        result = await asyncio.shield(self._holding(lease, self._swap_in(lease, keys, block_ids, deadline)))
+        return dataclasses.replace(result, elapsed_s=time.perf_counter() - started)
 
     async def _swap_in(self, lease: Lease, keys: Sequence[str], block_ids: Sequence[int],
                        deadline: Deadline) -> SwapInResult:

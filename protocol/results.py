@@ -55,6 +55,9 @@ class SwapInResult:
     loaded: int
     #: Per key: "loaded", "miss", "corrupt" (found but failed its check; removed) or "error".
     status: list[str]
+    #: How long the daemon worked on it, from taking it up to its answer (absent from daemons
+    #: before issue 24): what a load costs, without the time its reply waited to be read.
+    elapsed_s: float | None = None
 
     @classmethod
     def of(cls, status: list[str]) -> "SwapInResult":
@@ -66,8 +69,12 @@ class SwapInResult:
         return cls(loaded, status)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"loaded": self.loaded, "status": self.status}
+        wire: dict[str, Any] = {"loaded": self.loaded, "status": self.status}
+        if self.elapsed_s is not None:
+            wire["elapsed_us"] = round(self.elapsed_s * 1e6)
+        return wire
 
     @classmethod
     def from_wire(cls, r: dict[str, Any]) -> "SwapInResult":
-        return cls(r["loaded"], r["status"])
+        elapsed = r.get("elapsed_us")
+        return cls(r["loaded"], r["status"], elapsed / 1e6 if isinstance(elapsed, (int, float)) else None)

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -54,8 +55,12 @@ def test_round_trip_into_other_blocks_is_byte_exact(client: Client, cache: HostK
     assert out.status == ["stored"] * 12 and out.stored == 12
 
     cache.zero_blocks(list(range(cache.layout.num_blocks)))
+    started = time.perf_counter()
     result = client.swap_in(keys, dst)
+    waited = time.perf_counter() - started
     assert result.loaded == 12 and result.status == ["loaded"] * 12
+    # The daemon says how long it worked on it: part of what the client waited.
+    assert result.elapsed_s is not None and 0 < result.elapsed_s <= waited
     for want, block in zip(expected, dst):
         assert cache.block_record(block) == want
     # Every region of a loaded block was written, not just the first.

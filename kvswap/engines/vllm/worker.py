@@ -270,8 +270,12 @@ class WorkerSide:
             assert self.client is not None
             for request_id in [r for r in self._loads if self.client.done(r)]:
                 load, sent = self._loads.pop(request_id)
+                # The policy learns what the load cost the daemon, not how long its reply waited
+                # for this step to end: an async load does not hold the engine meanwhile.
+                seconds: float | None = None
                 try:
-                    loaded = SwapInResult.from_wire(self.client.wait(request_id)).loaded
+                    result = SwapInResult.from_wire(self.client.wait(request_id))
+                    loaded, seconds = result.loaded, result.elapsed_s
                 except NotRegistered:
                     self.registered = False  # the daemon restarted: register again on the next call
                     loaded = 0
@@ -279,7 +283,7 @@ class WorkerSide:
                     self.backoff.failed(exc)
                     log.warning("kvswap connector: load of %d blocks failed (%s); recomputing", len(load.keys), exc)
                     loaded = 0
-                self._landed(load, loaded, time.perf_counter() - sent)
+                self._landed(load, loaded, time.perf_counter() - sent if seconds is None else seconds)
                 self._loaded.add(load.req_id)
         finished, self._loaded = self._loaded, set()
         return finished
