@@ -14,8 +14,20 @@ from kvswap.testing.daemon_process import DaemonProcess
 from kvswap.testing.polling import wait_until
 from kvswap.testing.skips import INSTALLED_BY_TEST_SETUP
 
-__all__ = ["INSTALLED_BY_TEST_SETUP", "DaemonProcess", "GatedWrites", "InProcessDaemon", "free_port", "record_bytes_on_disk",
-           "shm_exists", "wait_until"]
+__all__ = ["INSTALLED_BY_TEST_SETUP", "DaemonProcess", "GatedWrites", "InProcessDaemon", "cuda_driver_loads", "free_port",
+           "record_bytes_on_disk", "shm_exists", "wait_until"]
+
+
+def cuda_driver_loads() -> bool:
+    """Whether this machine has a usable CUDA driver (tests of what happens without one skip
+    where it has)."""
+    from kvswap.common.cuda_driver import CudaDriver, CudaError
+
+    try:
+        CudaDriver.load()
+    except CudaError:
+        return False
+    return True
 
 
 def shm_exists(name: str) -> bool:

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvswap.common.cuda_driver import NO_DRIVER, CudaDriver, CudaError, CUipcMemHandle, format_uuid
+from kvswap.common.cuda_driver import NO_DRIVER, CudaError, CUipcMemHandle, format_uuid
 from kvswap.daemon.registration import Registration
 from kvswap.protocol import CacheLayout, Client, HostKVCache, InvalidLayout
 from kvswap.protocol import messages as m
@@ -24,20 +24,13 @@ from kvswap.protocol.cuda_export import (
     region_tensors,
 )
 from kvswap.protocol.limits import MAX_MESSAGE_BYTES, MAX_REGIONS
+from support import cuda_driver_loads
 from test_gpu_plans import KINDS, kind_layout
 
 UUID = "GPU-00112233-4455-6677-8899-aabbccddeeff"
 
 
-def cuda_available() -> bool:
-    try:
-        CudaDriver.load()
-    except CudaError:
-        return False
-    return True
-
-
-no_cuda_here = pytest.mark.skipif(cuda_available(), reason="this machine has a CUDA driver and device")
+no_cuda_here = pytest.mark.skipif(cuda_driver_loads(), reason="this machine has a CUDA driver and device")
 
 
 class FakeGpuTensor:

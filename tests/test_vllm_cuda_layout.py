@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvswap.common.cuda_driver import CudaDriver, CudaError
+from kvswap.common.cuda_driver import CudaError
 from kvswap.daemon.movers.copy_plan import plan_arrays
 from kvswap.daemon.movers.gpu_plan import (
     AddressSpace,
@@ -45,6 +45,7 @@ from kvswap.engines.vllm.memory import CacheFacts
 from kvswap.protocol.cuda_export import Allocation, DeviceTensor
 from kvswap.protocol.errors import InvalidLayout
 from kvswap.protocol.layout import CACHE_DTYPES, DTYPE_SIZES, CacheLayout
+from support import cuda_driver_loads
 
 UUID = "GPU-00112233-4455-6677-8899-aabbccddeeff"
 
@@ -63,15 +64,7 @@ DTYPES = {name: DTYPE_SIZES[kv] for name, kv in memory.TORCH_DTYPES.items() if k
 UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def cuda_available() -> bool:
-    try:
-        CudaDriver.load()
-    except CudaError:
-        return False
-    return True
-
-
-no_cuda_here = pytest.mark.skipif(cuda_available(), reason="this machine has a CUDA driver")
+no_cuda_here = pytest.mark.skipif(cuda_driver_loads(), reason="this machine has a CUDA driver")
 
 
 # -- a twin of vLLM 0.32's placement -----------------------------------------------------------------
