@@ -401,12 +401,18 @@ def test_a_subscriber_later_than_the_replay_buffer_gets_the_whole_state(tmp_path
             Client(d.endpoint, timeout=20) as c:
         cache.fill_random(4)
         namespace = c.register(cache)["namespace"]
-        for chain in _chains("h", 6, 8):
-            universe += chain
-            c.swap_out(list(range(len(chain))), chain, wait="persisted")
         publisher = d.daemon.kv_publisher
         assert publisher is not None
-        assert wait_until(lambda: publisher._buffer and publisher._buffer[0][0] > 0, timeout=10)  # 0 is gone
+
+        def history_past_the_buffer() -> bool:
+            # More history until batch 0 has left the buffer: how many batches a chain's events
+            # make depends on how fast the writes land (the publisher gathers for 2 ms).
+            chain = _chains(f"h{len(universe)}-", 1, 8)[0]
+            universe.extend(chain)
+            c.swap_out(list(range(len(chain))), chain, wait="persisted")
+            return bool(publisher._buffer) and publisher._buffer[0][0] > 0  # 0 is gone
+
+        assert wait_until(history_past_the_buffer, timeout=60)
         sub = Subscriber(pub, replay, keep_stored=True)
         try:
             sub.join()
