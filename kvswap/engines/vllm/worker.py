@@ -332,9 +332,9 @@ class WorkerSide:
         started = time.perf_counter()
         for request_id, (blocks, _) in list(self._saves.items()):
             must_wait = reused is None or not blocks.isdisjoint(reused)
-            if must_wait or self.client.done(request_id):
-                if must_wait and not self.client.done(request_id):
-                    self._report.save_waits += 1
+            ready = self.client.done(request_id)
+            if must_wait or ready:
+                self._report.save_waits += not ready
                 self._collect_save(request_id)
         self._report.save_s += time.perf_counter() - started
 
