@@ -208,6 +208,20 @@ def _config_error(ctx: click.Context, exc: ValueError, effective: dict[str, Any]
               help="Bytes of past KV-event batches kept for replay.")
 @click.option("--kv-events-encoding", type=click.Choice(["map", "array"]), default=_DEFAULTS.kv_events_encoding,
               help="map: tagged maps, as vLLM 0.32 decodes; array: the tagged arrays of earlier vLLM releases.")
+@click.option("--peer-address", default=_DEFAULTS.peer_address, show_default=False,
+              help="Prefill/decode transfer: the tcp:// endpoint other daemons reach this daemon on (empty = off).")
+@click.option("--peer-transport", type=click.Choice(["auto", "mooncake", "inline"]), default=_DEFAULTS.peer_transport,
+              help="How records move between daemons: Mooncake's transfer engine, inline in replies, or auto.")
+@click.option("--peer-te-protocol", type=click.Choice(["tcp", "rdma"]), default=_DEFAULTS.peer_te_protocol,
+              help="The transfer engine's protocol between daemons (peer transport mooncake).")
+@click.option("--peer-export-bytes", type=BYTES, default=_DEFAULTS.peer_export_bytes,
+              help="Memory for records in transit between daemons (each side: export buffer, receive buffer).")
+@click.option("--peer-lease-s", type=click.FloatRange(0, 600, min_open=True), default=_DEFAULTS.peer_lease_s,
+              help="How long exported records are held for a peer that does not release them.")
+@click.option("--peer-server-key-file", default=_DEFAULTS.peer_server_key_file, show_default=False,
+              help="CURVE between daemons: the peers' public key file. [default: this daemon's own public key]")
+@click.option("--pd-role", type=click.Choice(["none", "prefill", "decode"]), default=_DEFAULTS.pd_role,
+              help="Prefill/decode role, checked at start-up against the tiers and reported in hello.")
 @click.option("--config", type=click.Path(dir_okay=False), default=None, is_eager=True, callback=load_config_option,
               help="TOML file of settings named like the flags; flags and KVSWAP_* variables override it.")
 @click.option("--print-config", is_flag=True, default=False,

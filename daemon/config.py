@@ -159,6 +159,28 @@ class Config:
     kv_events_buffer_bytes: int = 64 * MiB
     #: map: events as tagged maps (vLLM 0.32's decoder); array: tagged arrays (earlier vLLM).
     kv_events_encoding: str = "map"
+    #: Prefill/decode disaggregation (peer.py): the ZMQ endpoint other daemons reach this
+    #: daemon's control socket on ("": peer transfer off). Turns on peer_export, peer_release
+    #: and lookup's ``peer`` field, exporting and importing alike.
+    peer_address: str = ""
+    #: How record bytes move between daemons: mooncake (Mooncake's transfer engine), inline (in
+    #: the reply frames), auto (mooncake where it imports and starts, else inline).
+    peer_transport: str = "auto"
+    #: The transfer engine's protocol: tcp, or rdma where the hosts have RDMA NICs.
+    peer_te_protocol: str = "tcp"
+    #: Memory for records in transit, on each side: the buffer an exporter holds records in for
+    #: peers under a lease (registered with the transfer engine), and an importer's receive
+    #: buffer. 64 MiB: a few dozen blocks of a large model's KV per pull.
+    peer_export_bytes: int = 64 * MiB
+    #: How long an exporter holds records for a peer that never says it read them.
+    peer_lease_s: float = 10.0
+    #: CURVE between daemons: the peers' public key file ("": this daemon's own public key, for
+    #: a cluster whose daemons share one keypair). The importer connects with this daemon's own
+    #: keypair (``curve_secret_key_file``), so the peers must list its public key as authorized.
+    peer_server_key_file: str = ""
+    #: none, prefill or decode: checked at start-up against the tiers (a prefill must retrieve
+    #: from the remote pool, a decode must store to it) and reported in ``hello``.
+    pd_role: str = "none"
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first setting that cannot work."""
@@ -209,6 +231,42 @@ class Config:
         if self.log_format not in ("text", "json"):
             raise ValueError(f"log_format must be text or json, got {self.log_format!r}")
         self._validate_kv_events()
+        self._validate_peer()
+
+    def _validate_peer(self) -> None:
+        if self.peer_transport not in PEER_TRANSPORTS:
+            raise ValueError(f"peer_transport must be one of {', '.join(PEER_TRANSPORTS)}, got {self.peer_transport!r}")
+        if self.peer_address:
+            problem = _peer_address_problem(self.peer_address)
+            if problem:
+                raise ConfigError(f"peer_address {self.peer_address!r} {problem}", "peer_address")
+        if self.peer_te_protocol not in ("tcp", "rdma"):
+            raise ValueError(f"peer_te_protocol must be tcp or rdma, got {self.peer_te_protocol!r}")
+        if self.peer_export_bytes < MiB:
+            raise ValueError("peer_export_bytes must be at least 1 MiB")
+        if not 0 < self.peer_lease_s <= 600:
+            raise ValueError(f"peer_lease_s must be in (0, 600], got {self.peer_lease_s}")
+        if self.peer_server_key_file and not self.curve:
+            raise ConfigError("peer_server_key_file is a CURVE setting: it needs curve_secret_key_file and "
+                              "authorized_keys", "peer_server_key_file", "curve_secret_key_file")
+        if self.pd_role not in PD_ROLES:
+            raise ValueError(f"pd_role must be one of {', '.join(PD_ROLES)}, got {self.pd_role!r}")
+        if self.pd_role == "none":
+            return
+        if not self.peer_address:
+            raise ConfigError(f"pd_role {self.pd_role} needs --peer-address: the endpoint the other role's daemons "
+                              "reach this one on (e.g. tcp://10.0.0.5:55500)", "pd_role", "peer_address")
+        locations = self.locations()
+        if self.pd_role == "prefill" and "remote" not in locations.retrieve:
+            raise ConfigError("pd_role prefill needs remote among the retrieve locations: a prefill that retrieves "
+                              "nothing from the pool recomputes every turn the decode nodes stored there; set "
+                              "--remote-url and --retrieve-locations (e.g. host,remote)", "pd_role",
+                              "retrieve_locations", "remote_url")
+        if self.pd_role == "decode" and "remote" not in locations.store:
+            raise ConfigError("pd_role decode needs remote among the store locations: a decode node that stores "
+                              "nowhere the next turn's prefill retrieves from leaves it to recompute; set "
+                              "--remote-url and --store-locations (e.g. host,remote)", "pd_role",
+                              "store_locations", "remote_url")
 
     def _validate_kv_events(self) -> None:
         from kvswap.protocol.kv_events import ENCODINGS
@@ -268,6 +326,24 @@ def _events_endpoint_problem(endpoint: str) -> str:
     if not is_loopback(host.strip("[]")):
         return ("is not a loopback address: KV events carry token ids and their sockets have no CURVE, so "
                 "bind them to 127.0.0.1, ::1 or ipc:// (see docs/configuration.md, KV events)")
+    return ""
+
+
+#: Values of ``peer_transport`` and ``pd_role``.
+PEER_TRANSPORTS: Final = ("auto", "mooncake", "inline")
+PD_ROLES: Final = ("none", "prefill", "decode")
+
+
+def _peer_address_problem(endpoint: str) -> str:
+    """Why ``endpoint`` cannot be a ``--peer-address`` ("" if it can): another host's daemon
+    connects to it, so it is ``tcp://HOST:PORT`` with a host it can reach (not a wildcard)."""
+    if not endpoint.startswith("tcp://"):
+        return "must be tcp://HOST:PORT, the address other daemons reach this daemon's control socket on"
+    host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        return "needs a host and a port: tcp://10.0.0.5:55500"
+    if host.strip("[]") in ("0.0.0.0", "::", "*"):
+        return "names every interface; give the address peers connect to (this host's own address)"
     return ""
 
 

@@ -24,7 +24,7 @@ import zmq.asyncio
 
 from kvswap.protocol import messages as m
 from kvswap.protocol.errors import Busy, Internal, KvswapError, Timeout, Unavailable
-from kvswap.protocol.limits import MAX_REPLY_BYTES
+from kvswap.protocol.limits import MAX_PEER_REPLY_BYTES, MAX_REPLY_BYTES
 
 from .admission import TRACK_REPLY_BYTES, RequestBudget, request_bytes
 from .config import Config
@@ -169,7 +169,8 @@ class Dispatcher:
         self._reply(envelope, op, started, reply)
 
     def _reply(self, envelope: list[bytes], op: str, started: float, reply: m.Reply) -> None:
-        self.send(envelope, reply)
+        # A peer_export reply carries record bytes (the inline transport): up to the message limit.
+        self.send(envelope, reply, MAX_PEER_REPLY_BYTES if op == "peer_export" else MAX_REPLY_BYTES)
         self.metrics.requests.labels(op=op, outcome="ok" if reply.ok else "error").inc()
         if not reply.ok and reply.error is not None:
             self.metrics.errors.labels(op=op, code=reply.error.code).inc()
@@ -224,17 +225,17 @@ class Dispatcher:
 
     # -- the socket -------------------------------------------------------------------------------
 
-    def send(self, envelope: list[bytes], reply: m.Reply) -> None:
+    def send(self, envelope: list[bytes], reply: m.Reply, limit: int = MAX_REPLY_BYTES) -> None:
         assert self.sock is not None
         try:
             frame = m.encode_reply(reply)
         except (TypeError, ValueError, OverflowError) as exc:  # a result msgpack cannot carry: a bug
             log.error("reply to request %s cannot be encoded: %s", reply.id, exc)
             frame = m.encode_reply(m.Reply(reply.id, False, error=Internal(f"unencodable reply: {exc}"[:500])))
-        if len(frame) > MAX_REPLY_BYTES:  # a bug too: what a peer holds of our memory is bounded by it
-            log.error("reply to request %s is %d bytes, over the limit of %d", reply.id, len(frame), MAX_REPLY_BYTES)
+        if len(frame) > limit:  # a bug too: what a peer holds of our memory is bounded by it
+            log.error("reply to request %s is %d bytes, over the limit of %d", reply.id, len(frame), limit)
             frame = m.encode_reply(m.Reply(reply.id, False, error=Internal(
-                "the reply is over the size limit", size=len(frame), limit=MAX_REPLY_BYTES)))
+                "the reply is over the size limit", size=len(frame), limit=limit)))
         # With NOBLOCK the asyncio socket finishes the send at once and puts any error in the
         # returned future rather than raising it. A ROUTER drops replies to vanished peers.
         if len(frame) < TRACK_REPLY_BYTES:

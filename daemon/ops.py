@@ -9,6 +9,7 @@ liveness (ping), the registration (register, unregister) and the state (stats).
 
 from __future__ import annotations
 
+import time
 from typing import Any, Awaitable, Callable
 
 from kvswap import __version__
@@ -21,19 +22,27 @@ from kvswap.protocol.results import SwapInResult, SwapOutResult
 
 from .config import Config
 from .deadline import Deadline
+from .peer import PeerTransfer, peer_off
+from .peer_records import current_registration, wait_for_prefix
 from .registrar import Caller
 from .swapper import Swapper
 
 Handler = Callable[[Any, Deadline], Awaitable[Any]]
+
+#: Time kept back from a lookup's deadline for its answer after a ``wait_ms`` wait.
+WAIT_ANSWER_MARGIN_S = 0.05
 
 
 class Ops:
     """The op handlers of one daemon. ``describe()`` adds the daemon's own facts (version,
     storage directory, ports, descriptors) to ``stats``."""
 
-    def __init__(self, config: Config, swapper: Swapper, describe: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, config: Config, swapper: Swapper, describe: Callable[[], dict[str, Any]],
+                 peer: PeerTransfer | None = None) -> None:
         self.config = config
         self.swapper = swapper
+        #: Daemon-to-daemon transfer (peer.py), where ``--peer-address`` turns it on.
+        self.peer = peer
         self._describe = describe
         s = swapper
         self.table: dict[str, Handler] = {
@@ -44,11 +53,13 @@ class Ops:
             "swap_out": lambda r, d: s.swap_out(r.block_ids, r.keys, r.wait, d, r.partial, Caller(r.token, r.pid),
                                                 r.metas()),
             "swap_in": lambda r, d: s.swap_in(r.keys, r.block_ids, d, Caller(r.token, r.pid)),
-            "lookup": lambda r, d: s.lookup(r.keys),
+            "lookup": self._lookup,
             "delete": lambda r, d: s.delete(r.keys),
             "clear": lambda r, d: s.clear(),
             "flush": lambda r, d: s.flush(),
             "stats": self._stats,
+            "peer_export": self._peer_export,
+            "peer_release": self._peer_release,
         }
 
     async def handle(self, request: m.Request, deadline: Deadline) -> dict[str, Any]:
@@ -58,10 +69,35 @@ class Ops:
         return result
 
     async def _hello(self, request: m.Hello, deadline: Deadline) -> dict[str, Any]:
-        return {"server": "kvswapd", "version": __version__, "protocol": PROTOCOL_VERSION,
-                "registered": self.swapper.registration is not None,
-                "limits": {"max_message_bytes": MAX_MESSAGE_BYTES, "max_keys_per_request": MAX_KEYS_PER_REQUEST,
-                           "max_key_length": MAX_KEY_LENGTH}}
+        out = {"server": "kvswapd", "version": __version__, "protocol": PROTOCOL_VERSION,
+               "registered": self.swapper.registration is not None,
+               "limits": {"max_message_bytes": MAX_MESSAGE_BYTES, "max_keys_per_request": MAX_KEYS_PER_REQUEST,
+                          "max_key_length": MAX_KEY_LENGTH}}
+        if self.peer is not None:
+            out["peer"] = self.peer.hello()
+        return out
+
+    async def _lookup(self, request: m.Lookup, deadline: Deadline) -> dict[str, Any]:
+        if request.peer:
+            if self.peer is None:
+                raise peer_off("lookup with peer")
+            return await self.peer.lookup(request, deadline)
+        if request.wait_ms:
+            # Keys still on their way here (a swap_out's copy): waited for, then looked up.
+            registration = current_registration(self.swapper)
+            until = time.monotonic() + min(request.wait_ms / 1000, deadline.remaining() - WAIT_ANSWER_MARGIN_S)
+            await wait_for_prefix(self.swapper, registration, request.keys, until)
+        return await self.swapper.lookup(request.keys)
+
+    async def _peer_export(self, request: m.PeerExport, deadline: Deadline) -> dict[str, Any]:
+        if self.peer is None:
+            raise peer_off("peer_export")
+        return await self.peer.export(request, deadline)
+
+    async def _peer_release(self, request: m.PeerRelease, deadline: Deadline) -> dict[str, Any]:
+        if self.peer is None:
+            raise peer_off("peer_release")
+        return await self.peer.release(request, deadline)
 
     async def _ping(self, request: m.Ping, deadline: Deadline) -> dict[str, Any]:
         return {"pong": True}
@@ -86,4 +122,6 @@ class Ops:
     async def _stats(self, request: m.Stats, deadline: Deadline) -> dict[str, Any]:
         out = self.swapper.stats()
         out.update(self._describe())
+        if self.peer is not None:
+            out["peer"] = self.peer.describe()
         return out

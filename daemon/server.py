@@ -45,6 +45,9 @@ from .dispatch import Dispatcher
 from .kv_events import EventLedger, EventPublisher, describe_for_stats
 from .metrics import HealthServer, Metrics
 from .ops import Ops
+from .peer import PeerTransfer
+from .peer_stats import PeerStats
+from .peer_transport import TransportError
 from .signals import SignalCapture
 from .swapper import Swapper
 from .tiers import open_backends, unready_locations
@@ -116,7 +119,11 @@ class Daemon:
         self.budget = RequestBudget(config.max_inflight_request_bytes,
                                     config.max_inflight_request_bytes * config.max_inflight_per_client
                                     // config.max_inflight_requests, self.metrics.request_bytes)
-        self.ops = Ops(config, self.swapper, self.describe)
+        #: Daemon-to-daemon transfer for prefill/decode disaggregation (peer.py), when configured.
+        # Its series exist, at zero, with peer transfer off too: dashboards need not special-case it.
+        peer_stats = PeerStats(self.metrics.registry)
+        self.peer = PeerTransfer(config, self.swapper, peer_stats) if config.peer_address else None
+        self.ops = Ops(config, self.swapper, self.describe, self.peer)
         self.dispatcher = Dispatcher(config, self.metrics, self.budget, self.ops.handle)
         #: The cap on the control socket's connections (connections.py), set up in startup.
         self.gate: ConnectionGate | None = None
@@ -224,6 +231,11 @@ class Daemon:
         if not is_loopback(cfg.host) and self.curve is None:
             log.warning("the control socket listens on %s, beyond loopback, without authentication: anyone who "
                         "reaches it can read and overwrite cached KV blocks", cfg.host)
+        if self.peer is not None:
+            try:
+                self.peer.start()
+            except (TransportError, CurveError) as exc:
+                raise StartupError(f"peer transfer cannot start: {exc}") from None
         self.swapper.start()
         self._signals.install()
         self.dispatcher.serving = True
@@ -335,6 +347,8 @@ class Daemon:
             # 'unavailable' sent and never delivered in 4 of 20 forced exits under load. Give
             # its I/O thread a moment to hand the last answers to the kernel (0 lost in 60).
             await asyncio.sleep(SHUTDOWN_REPLY_FLUSH_S)
+        if self.peer is not None:
+            await self.peer.stop()  # before the swapper: its pulls store through it
         if not self.force_exit:
             # Waits for the copy and write threads; a forced exit does not (see run()).
             await self.swapper.stop()

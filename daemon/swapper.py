@@ -46,6 +46,7 @@ from .deadline import CopyGuard, Deadline
 from .inflight import InflightTable, InflightWrite
 from .metrics import Metrics
 from .movers.segment import SegmentShrunk
+from .peer_arrivals import Arrivals
 from .registrar import ANONYMOUS, Caller, Registrar
 from .registration import Lease, Registration
 from .staging import Slot, Staging
@@ -81,6 +82,9 @@ class Swapper:
         self._writes = Background("writes")
         #: Chain touches after a lookup or swap_in.
         self._background = Background("swapper")
+        #: Woken whenever records become readable here (a swap_out's copy, a pull from a peer),
+        #: for lookups and peer exports waiting for keys on their way (peer_records.py).
+        self.arrivals = Arrivals()
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -111,6 +115,11 @@ class Swapper:
     @property
     def pending_writes(self) -> int:
         return len(self._inflight)
+
+    @property
+    def inflight(self) -> InflightTable:
+        """Records copied or being copied and not yet written: readable from their slots."""
+        return self._inflight
 
     async def check_engine(self) -> None:
         """Release the registration of an engine whose process is gone."""
@@ -209,6 +218,8 @@ class Swapper:
             self._drop_inflight(namespace, key, entry)
         for _, entry in entries[:copied]:
             entry.copied.set_result(None)
+        if copied:
+            self.arrivals.notify()
         if failure is not None:
             self._failed(registration, failure)
             raise failure
@@ -271,6 +282,43 @@ class Swapper:
                         "; ".join(f"tier {tier or '?'}: {code} x{n} ({reason})"
                                   for (tier, code, reason), n in failures.most_common(4)))
         return [outcome for chunk in results for outcome in chunk]
+
+    async def ingest(self, namespace: str, keys: Sequence[str], payloads: Sequence[Any]) -> int:
+        """Store records pulled from a peer daemon, already verified (peer_import.py), the way
+        swap_out stores gathered blocks: each is copied into a write slot, readable from there at
+        once (lookup counts it, swap_in loads it), and written to the tiers' ``pull_to``
+        locations in the background. Returns how many leading keys are now here; a key already
+        in flight counts, one that finds no free write slot ends the prefix."""
+        registration = self.registrar.current
+        if registration is None or registration.tiers is None or registration.namespace != namespace:
+            return 0
+        tiers = registration.tiers
+        inflight = self._inflight.keys(namespace)
+        todo = [i for i, key in enumerate(keys) if key not in inflight]
+        slots = self.staging.take_write(len(todo), True, len(self._inflight))
+        accepted = todo[len(slots)] if len(slots) < len(todo) else len(keys)
+        todo = todo[:len(slots)]
+        if not todo:
+            return accepted
+        await run(self.threads.copy, _fill_slots, [s.view for s in slots], [payloads[i] for i in todo])
+        await run(self.threads.read, tiers.expect_chain, [keys[i] for i in todo])
+        loop = asyncio.get_running_loop()
+        entries = []
+        for i, slot in zip(todo, slots):
+            entry = InflightWrite(slot, loop.create_future(), loop.create_future())
+            entry.copied.set_result(None)
+            entries.append((keys[i], entry))
+            self._inflight.add(namespace, keys[i], entry)
+        self.metrics.pending_writes.set(len(self._inflight))
+        chunks = [(start, min(start + GATHER_CHUNK, len(entries)),
+                   self.threads.write.submit(_write_chunk, tiers, [(k, e.slot) for k, e in
+                                                                   entries[start:start + GATHER_CHUNK]], True))
+                  for start in range(0, len(entries), GATHER_CHUNK)]
+        gathered: asyncio.Future[list[tuple[int, int, Future]]] = loop.create_future()
+        gathered.set_result(chunks)
+        self._writes.spawn(self._finish_writes(namespace, entries, gathered), "writes of pulled records")
+        self.arrivals.notify()
+        return accepted
 
     # -- swap_in ----------------------------------------------------------------------------------
 
@@ -525,15 +573,22 @@ def _gather_and_submit(registration: Registration, block_ids: list[int], slots: 
     return chunks, None
 
 
-def _write_chunk(tiers: NamespaceTiers, items: list[tuple[str, Slot]]) -> tuple[list[str], Counter]:
+def _fill_slots(views: list[Any], payloads: list[Any]) -> None:
+    for view, payload in zip(views, payloads):
+        view[:] = payload
+
+
+def _write_chunk(tiers: NamespaceTiers, items: list[tuple[str, Slot]],
+                 pulled: bool = False) -> tuple[list[str], Counter]:
     """Write a few records on one write thread: one loop wake-up per chunk, not per record.
     Each record's outcome is its own ("stored" or an error code); failures are counted by
-    (tier, code, reason) for the request's one log line."""
+    (tier, code, reason) for the request's one log line. ``pulled``: records from a peer
+    daemon, written to ``tiers.pull_to``."""
     outcomes = []
     failures: Counter[tuple[str, str, str]] = Counter()
     for key, payload in items:
         try:
-            outcomes.append(tiers.write(key, payload))
+            outcomes.append(tiers.write(key, payload, tiers.pull_to if pulled else None))
         except KvswapError as exc:
             failures[(str(exc.details.get("tier", "")), exc.code, str(exc.details.get("reason", exc.message)))] += 1
             outcomes.append(exc.code)

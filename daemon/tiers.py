@@ -92,6 +92,14 @@ class NamespaceTiers:
         #: The retrieve tiers :meth:`hold` asks, and those :meth:`read` goes on with.
         self.hold_from, self.read_from = self.retrieve_from[:held], self.retrieve_from[held:]
         self.host = stores.get("host") if locations.promote else None
+        #: Where records pulled from a peer daemon go (peer_import.py): every store location, and
+        #: the first retrieve location where none of them is one, so the records are loadable
+        #: here as well as stored where this node stores (a decode node: the pool). Local tiers
+        #: first, so a slow pool is written last.
+        targets = set(locations.store)
+        if not targets & set(locations.retrieve):
+            targets.add(locations.retrieve[0])
+        self.pull_to = [stores[t] for t in TIER_ORDER if t in targets]
 
     def __iter__(self):
         return iter(self.stores.values())
@@ -176,12 +184,12 @@ class NamespaceTiers:
 
     # -- records ------------------------------------------------------------------------------
 
-    def write(self, key: str, slot: HeldRecord) -> str:
-        """Store one record, gathered into ``slot``, in every store location (the RAM tier keeps
-        the slot itself). "stored" only when all have it; else the first failure's code (the
-        record may be in the other tiers)."""
+    def write(self, key: str, slot: HeldRecord, stores: Sequence[Store] | None = None) -> str:
+        """Store one record, gathered into ``slot``, in every store location (or ``stores``; the
+        RAM tier keeps the slot itself). "stored" only when all have it; else the first
+        failure's code (the record may be in the other tiers)."""
         failure: KvswapError | None = None
-        for store in self.store_to:
+        for store in self.store_to if stores is None else stores:
             started = time.perf_counter()
             try:
                 store.put_slot(key, slot)

@@ -89,7 +89,19 @@ def _keys_op(cls: type[m.Request], field: str) -> Callable[[Iterable[str]], Call
     return lambda keys: (cls, {"keys": tuple(keys)}, lambda r: r[field])
 
 
-_ops_lookup = _keys_op(m.Lookup, "hits")
+
+
+def _ops_lookup(keys: Iterable[str], peer: str = "", wait_ms: int = 0) -> Call:
+    """A lookup; with ``peer`` (a peer daemon's ``--peer-address``) the daemon first pulls the
+    keys past its own prefix from that daemon, waiting up to ``wait_ms`` for them."""
+    body: dict[str, Any] = {"keys": tuple(keys)}
+    if peer:
+        body["peer"] = peer
+    if wait_ms:
+        body["wait_ms"] = int(wait_ms)
+    return m.Lookup, body, lambda r: r["hits"]
+
+
 _ops_delete = _keys_op(m.Delete, "deleted")
 
 
@@ -324,8 +336,11 @@ class Client(_Base):
     def swap_in(self, keys: Sequence[str], block_ids: Sequence[int], timeout: float | None = None) -> SwapInResult:
         return self._run(_ops_swap_in(keys, block_ids), timeout)
 
-    def lookup(self, keys: Sequence[str], timeout: float | None = None) -> int:
-        return self._run(_ops_lookup(keys), timeout)
+    def lookup(self, keys: Sequence[str], timeout: float | None = None, peer: str = "", wait_ms: int = 0) -> int:
+        """How many leading ``keys`` are stored. ``peer``: pull the rest from that daemon first
+        (prefill/decode disaggregation); ``wait_ms``: wait that long for keys on their way, within
+        ``timeout`` (docs/protocol.md, lookup)."""
+        return self._run(_ops_lookup(keys, peer, wait_ms), timeout)
 
     def delete(self, keys: Sequence[str]) -> int:
         return self._run(_ops_delete(keys))
@@ -450,8 +465,9 @@ class AsyncClient(_Base):
                       timeout: float | None = None) -> SwapInResult:
         return await self._run(_ops_swap_in(keys, block_ids), timeout)
 
-    async def lookup(self, keys: Sequence[str], timeout: float | None = None) -> int:
-        return await self._run(_ops_lookup(keys), timeout)
+    async def lookup(self, keys: Sequence[str], timeout: float | None = None, peer: str = "",
+                     wait_ms: int = 0) -> int:
+        return await self._run(_ops_lookup(keys, peer, wait_ms), timeout)
 
     async def delete(self, keys: Sequence[str]) -> int:
         return await self._run(_ops_delete(keys))

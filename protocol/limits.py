@@ -40,6 +40,15 @@ MAX_FRAME_ITEMS: Final = 65_536
 #: error code for its status, is about 110 KB; error replies are at most a few KiB, because
 #: nothing a peer sent is echoed beyond MAX_ECHO_CHARS characters.
 MAX_REPLY_BYTES: Final = 256 * 1024
+#: Longest ``wait_ms`` of a lookup or a peer_export: how long keys still on their way (a
+#: prefill's swap_out in flight) may be waited for. The request's own deadline bounds it too.
+MAX_WAIT_MS: Final = 60_000
+#: Largest reply to ``peer_export``, the one reply that carries record bytes (the inline
+#: transport): the message limit, like a request frame, not MAX_REPLY_BYTES.
+MAX_PEER_REPLY_BYTES: Final = MAX_MESSAGE_BYTES
+#: Room for the rest of an inline peer_export reply (keys, headers, the map itself) beside
+#: the record bytes.
+PEER_REPLY_OVERHEAD: Final = 64 * 1024
 #: Characters of a peer's own input (a field name, an op, a key) repeated in an error reply.
 MAX_ECHO_CHARS: Final = 128
 

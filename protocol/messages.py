@@ -29,6 +29,7 @@ from .limits import (
     MAX_REGIONS,
     MAX_STRING_BYTES,
     MAX_TIMEOUT_MS,
+    MAX_WAIT_MS,
     PROTOCOL_VERSION,
     check_count,
     check_key,
@@ -239,11 +240,62 @@ class SwapIn(Request):
         check_pair(self.keys, self.block_ids)
 
 
+def _peer_address(name: str, value: Any) -> str:
+    """A peer daemon's address as its ``--peer-address`` says it: a ZMQ ``tcp://`` endpoint."""
+    if not isinstance(value, str) or len(value) > 256 or (value and not value.startswith("tcp://")):
+        raise BadRequest(f"{name} must be a tcp:// endpoint of at most 256 characters", field=name)
+    return value
+
+
+def _namespace(name: str, value: Any) -> str:
+    if not isinstance(value, str) or re.fullmatch(r"[0-9a-f]{32}", value) is None:
+        raise BadRequest(f"{name} must be a namespace fingerprint (32 lowercase hex digits)", field=name)
+    return value
+
+
+TRANSPORTS: Final = ("mooncake", "inline")
+
+
+def _transport(name: str, value: Any) -> str:
+    if value not in TRANSPORTS:
+        raise BadRequest(f"{name} must be one of {list(TRANSPORTS)}", field=name)
+    return value
+
+
 @dataclass(frozen=True)
 class Lookup(Request):
     op = "lookup"
-    checks = {"keys": _keys}
+    checks = {"keys": _keys, "peer": _peer_address, "wait_ms": _uint(MAX_WAIT_MS)}
+    omit_default = frozenset({"peer", "wait_ms"})
     keys: tuple[str, ...] = ()
+    #: Prefill/decode disaggregation: a peer daemon's ``--peer-address``; the keys past this
+    #: daemon's own prefix are pulled from it before the answer ("": look here only).
+    peer: str = ""
+    #: How long keys still on their way may be waited for (bounded by the deadline).
+    wait_ms: int = 0
+
+
+@dataclass(frozen=True)
+class PeerExport(Request):
+    """Daemon to daemon: hold the longest present prefix of ``keys`` (records of
+    ``namespace``) for the asking daemon, waiting up to ``wait_ms`` for keys on their way."""
+
+    op = "peer_export"
+    checks = {"keys": _keys, "namespace": _namespace, "wait_ms": _uint(MAX_WAIT_MS), "transport": _transport}
+    keys: tuple[str, ...] = ()
+    namespace: str = ""
+    wait_ms: int = 0
+    #: What the asking daemon can receive: "mooncake" (a transfer-engine read) or "inline".
+    transport: str = "inline"
+
+
+@dataclass(frozen=True)
+class PeerRelease(Request):
+    """Daemon to daemon: the records held under ``lease`` were read; free them."""
+
+    op = "peer_release"
+    checks = {"lease": _short_str}
+    lease: str = ""
 
 
 @dataclass(frozen=True)
@@ -269,7 +321,8 @@ class Stats(Request):
 
 
 REQUEST_TYPES: Final[dict[str, type[Request]]] = {
-    cls.op: cls for cls in (Hello, Ping, Register, Unregister, SwapOut, SwapIn, Lookup, Delete, Clear, Flush, Stats)
+    cls.op: cls for cls in (Hello, Ping, Register, Unregister, SwapOut, SwapIn, Lookup, Delete, Clear, Flush, Stats,
+                             PeerExport, PeerRelease)
 }
 #: Fields every op requires (the others default).
 REQUIRED: Final[dict[str, tuple[str, ...]]] = {
@@ -278,6 +331,8 @@ REQUIRED: Final[dict[str, tuple[str, ...]]] = {
     "swap_in": ("keys", "block_ids"),
     "lookup": ("keys",),
     "delete": ("keys",),
+    "peer_export": ("keys", "namespace"),
+    "peer_release": ("lease",),
 }
 
 # -- replies --------------------------------------------------------------------------------
@@ -504,6 +559,30 @@ def decode_reply(frame: bytes | memoryview) -> Reply:
     return Reply(request_id, False, error=from_wire(msg.get("error")))
 
 
+def decode_peer_reply(frame: bytes | memoryview) -> Reply:
+    """A reply from another daemon (a peer_export's carries record bytes), decoded within
+    bounds: at most the message limit, keys and records by the request limit, strings short.
+    Anything else raises :class:`BadRequest`; a daemon must not trust its peer's frames more
+    than an engine's."""
+    if len(frame) > MAX_MESSAGE_BYTES + 4096:
+        raise BadRequest("reply over the message limit", size=len(frame))
+    try:
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_str_len=64 * 1024,
+                              max_bin_len=MAX_MESSAGE_BYTES, max_array_len=MAX_KEYS_PER_REQUEST,
+                              max_map_len=MAX_MAP_ENTRIES, max_ext_len=0)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise BadRequest(f"not a msgpack reply: {type(exc).__name__}") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("ok"), bool):
+        raise BadRequest("a reply is a msgpack map with 'ok'")
+    request_id = msg.get("id")
+    if msg["ok"]:
+        result = msg.get("result")
+        if not isinstance(result, dict):
+            raise BadRequest("a reply's result is a map")
+        return Reply(request_id if isinstance(request_id, int) else None, True, result)
+    return Reply(request_id if isinstance(request_id, int) else None, False, error=from_wire(msg.get("error")))
+
+
 def check_pair(keys: tuple[str, ...], block_ids: tuple[int, ...]) -> None:
     """swap_out and swap_in pair keys with block ids one to one."""
     if len(keys) != len(block_ids):
@@ -518,6 +597,7 @@ __all__ = [
     "decode_request",
     "encode_request",
     "decode_reply",
+    "decode_peer_reply",
     "encode_reply",
     "check_pair",
 ]

@@ -41,6 +41,8 @@ from kvswap.protocol.messages import (
     Flush,
     Hello,
     Lookup,
+    PeerExport,
+    PeerRelease,
     Ping,
     Register,
     Reply,
@@ -159,8 +161,11 @@ def test_every_op_round_trips() -> None:
         Clear(id=9),
         Flush(id=10, timeout_ms=0),
         Stats(id=11),
+        Lookup(id=12, keys=("a",), peer="tcp://10.0.0.5:55500", wait_ms=250),
+        PeerExport(id=13, keys=("a",), namespace="0" * 32, wait_ms=5, transport="mooncake"),
+        PeerRelease(id=14, lease="l" * 32),
     ]
-    assert sorted(type(r).op for r in requests) == sorted(REQUEST_TYPES)
+    assert sorted({type(r).op for r in requests}) == sorted(REQUEST_TYPES)
     for request in requests:
         data = encode_request(request)
         assert decode_request(data) == request
@@ -370,7 +375,7 @@ def test_missing_fields_are_named() -> None:
 def test_unknown_op_lists_the_known_ones() -> None:
     exc = rejected(frame(op="swap_all"))
     assert exc.error.details == {"known": sorted(REQUEST_TYPES)}
-    assert len(exc.error.details["known"]) == 11
+    assert len(exc.error.details["known"]) == 13  # the 11 engine ops and the two between daemons (peer_export, peer_release)
 
 
 def test_version_error_reports_what_was_sent() -> None:
@@ -805,3 +810,16 @@ def test_the_schema_model_refuses_a_key_with_a_slash() -> None:
     assert spec_outcome(msg) == (1, {"invalid_key"})
     assert spec_outcome({**msg, "keys": ["a.b"]})[1] == {"op": "lookup", "id": 1, "timeout_ms": None, "keys": ("a.b",)}
     _check_decode_outcome(pack(msg))
+
+
+def test_lookup_leaves_its_peer_fields_off_the_wire_at_their_defaults() -> None:
+    # Byte-identical to the lookup of before the fields existed (test_encode_lookup_literal).
+    assert encode_request(Lookup(id=1, keys=("h:00ff",), peer="", wait_ms=0)) == (
+        b"\x84\xa1v\x01\xa2id\x01\xa2op\xa6lookup\xa4keys\x91\xa6h:00ff"
+    )
+    with pytest.raises(BadRequest):
+        encode_request(Lookup(id=1, keys=("a",), wait_ms=60_001))
+    with pytest.raises(BadRequest):
+        encode_request(Lookup(id=1, keys=("a",), peer="10.0.0.5:55500"))
+    with pytest.raises(BadRequest):
+        encode_request(PeerExport(id=1, keys=("a",), namespace="not-hex"))
