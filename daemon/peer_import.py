@@ -97,9 +97,8 @@ class Importer:
             self.stats.pull_took(time.monotonic() - started)
         elif local < len(keys):
             await wait_for_prefix(self.swapper, registration, keys, wait_until)
-        hits = await landed_prefix(self.swapper, registration, keys)
-        self.swapper.metrics.lookup_keys.labels(result="hit").inc(hits)
-        self.swapper.metrics.lookup_keys.labels(result="miss").inc(len(keys) - hits)
+        # The ordinary lookup now: it counts what arrived, touches the hit chain, counts the keys.
+        hits = (await self.swapper.lookup(keys))["hits"]
         return {"hits": hits, "pulled": progress.pulled} if peer else {"hits": hits}
 
     async def _pull(self, namespace: str, record_bytes: int, keys: Sequence[str], peer: str, wait_until: float,
