@@ -518,3 +518,66 @@ def test_a_prefill_with_the_pool_among_its_retrieve_locations_starts(tmp_path: P
             assert c.hello()["peer"]["pd_role"] == "prefill"
     finally:
         assert daemon.stop(signal.SIGTERM) == 0
+
+
+# -- CURVE between daemons -------------------------------------------------------------------------
+
+
+def test_daemons_pull_over_curve_and_an_unauthorized_daemon_gets_nothing(tmp_path: Path) -> None:
+    import shutil
+
+    from kvswap.daemon.tools.keygen import write_keypair
+
+    made = tmp_path / "keys"
+    for name in ("prefill", "decode", "stranger", "engine"):
+        write_keypair(str(made), name)
+
+    def authorized(name: str, *who: str) -> Path:
+        d = tmp_path / f"authorized-{name}"
+        d.mkdir(mode=0o700)
+        for w in who:
+            shutil.copy(made / f"{w}.key", d / f"{w}.key")
+        return d
+
+    engine = {"curve_secret_key_file": str(made / "engine.key_secret")}
+
+    def curve_daemon(name: str, *admits: str) -> DaemonProcess:
+        port = free_port()
+        return DaemonProcess(tmp_path / name, port, free_port(), extra_args=[
+            "--peer-address", f"tcp://127.0.0.1:{port}", "--peer-transport", "inline", "--host-tier-bytes", "16M",
+            "--curve-secret-key-file", str(made / f"{name}.key_secret"),
+            "--authorized-keys", str(authorized(name, "engine", *admits)),
+            "--peer-server-key-file", str(made / "prefill.key")],
+            client_options={**engine, "curve_server_key_file": str(made / f"{name}.key")}).start()
+
+    prefill = curve_daemon("prefill", "decode")  # admits its engine and the decode daemon
+    decode = curve_daemon("decode")
+    stranger = curve_daemon("stranger")  # a daemon the prefill does not admit
+    try:
+        with HostKVCache.create(LAYOUT) as a_cache, HostKVCache.create(LAYOUT) as b_cache, \
+                HostKVCache.create(LAYOUT) as s_cache, \
+                Client(prefill.endpoint, timeout=10, **prefill.client_options) as a, \
+                Client(decode.endpoint, timeout=10, **decode.client_options) as b, \
+                Client(stranger.endpoint, timeout=10, **stranger.client_options) as s:
+            a_cache.fill_random(4)
+            a.register(a_cache)
+            b.register(b_cache)
+            s.register(s_cache)
+            a.swap_out(list(range(8)), KEYS, wait="persisted")
+            assert b.lookup(KEYS, peer=peer_address(prefill)) == 8
+            assert b.swap_in(KEYS, list(range(8))).loaded == 8
+            assert [b_cache.block_record(i) for i in range(8)] == [a_cache.block_record(i) for i in range(8)]
+            assert s.lookup(KEYS, peer=peer_address(prefill), timeout=3) == 0
+            assert sum(s.stats()["peer"]["pull_failures"].values()) == 1
+            assert prefill.metric("kvswap_auth_denied_total") >= 1
+    finally:
+        for d in (prefill, decode, stranger):
+            assert d.stop() == 0
+
+
+def test_a_wait_longer_than_the_deadline_answers_at_the_deadline_not_timeout(pair_of) -> None:
+    pair = pair_of("inline")
+    started = time.monotonic()
+    assert pair.b.lookup(KEYS, peer=peer_address(pair.prefill), wait_ms=60_000, timeout=1.0) == 0
+    assert time.monotonic() - started < 1.5
+    assert pair.b.ping() >= 0
