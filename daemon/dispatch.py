@@ -169,8 +169,10 @@ class Dispatcher:
         self._reply(envelope, op, started, reply)
 
     def _reply(self, envelope: list[bytes], op: str, started: float, reply: m.Reply) -> None:
-        # A peer_export reply carries record bytes (the inline transport): up to the message limit.
-        self.send(envelope, reply, MAX_PEER_REPLY_BYTES if op == "peer_export" else MAX_REPLY_BYTES)
+        if op == "peer_export":  # it carries record bytes (the inline transport): up to the message limit
+            self.send_sized(envelope, reply, MAX_PEER_REPLY_BYTES)
+        else:
+            self.send(envelope, reply)
         self.metrics.requests.labels(op=op, outcome="ok" if reply.ok else "error").inc()
         if not reply.ok and reply.error is not None:
             self.metrics.errors.labels(op=op, code=reply.error.code).inc()
@@ -225,7 +227,11 @@ class Dispatcher:
 
     # -- the socket -------------------------------------------------------------------------------
 
-    def send(self, envelope: list[bytes], reply: m.Reply, limit: int = MAX_REPLY_BYTES) -> None:
+    def send(self, envelope: list[bytes], reply: m.Reply) -> None:
+        self.send_sized(envelope, reply, MAX_REPLY_BYTES)
+
+    def send_sized(self, envelope: list[bytes], reply: m.Reply, limit: int) -> None:
+        """Send one reply of at most ``limit`` bytes (a larger one is a bug: ``internal``)."""
         assert self.sock is not None
         try:
             frame = m.encode_reply(reply)
