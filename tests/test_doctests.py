@@ -24,6 +24,7 @@ MODULES = (
     "kvswap.common.units",
     "kvswap.daemon.tools.launcher",
     "kvswap.daemon.tools.status",
+    "kvswap.engines.vllm.pd",
     "kvswap.engines.vllm.plan",
     "kvswap.engines.vllm.policy",
     "kvswap.engines.vllm.stats",

@@ -37,7 +37,13 @@ order), else ``KVSWAP_ENDPOINTS`` as ``kvswap launch`` sets it (rank i -> i-th),
 ``timeout_s``, ``lookup_timeout_s``, ``lookup_wait_ms``, ``known_keys``, ``load_async``,
 ``connect_timeout_s``, ``retry_s``, ``model_id``,
 ``stats_file``, ``block_meta``, ``kv_events_endpoint``, ``kv_events_replay_endpoint``,
-``kv_events_topic``) are listed in docs/integration.md.
+``kv_events_topic``, ``pd_wait_ms``) are listed in docs/integration.md.
+
+Prefill/decode on separate engines (:mod:`.pd`): a prefill request (``kv_transfer_params``
+``do_remote_decode``) returns, when it finishes, the peer addresses of its daemons; a decode
+request carrying them is looked up with ``peer`` set, its daemon pulling the prompt's blocks
+from the prefill's, and what that finds is always loaded (no load policy: a decode engine is
+there not to prefill).
 
 vLLM and torch are imported here, at import time: this module is only imported by vLLM.
 """
@@ -70,6 +76,7 @@ from kvswap.protocol.errors import KvswapError, Unavailable
 from .events import EventForwarder
 from .known import DEFAULT_CAPACITY, KnownKeys
 from .lookups import Lookups
+from .pd import DEFAULT_WAIT_MS, PeerAddresses, decode_params, remote_peers, wants_remote_decode
 from .plan import (
     Backoff,
     block_meta_setting,
@@ -187,11 +194,11 @@ class KvswapConnector(KVConnectorBase_V1):
         return self.scheduler.take_events() if self.scheduler is not None else ()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self.scheduler is not None:
-            self.scheduler.finished(request.request_id)
         # Saves are copied before the next step touches any block (WorkerSide.settle), so the
-        # blocks may be freed now.
-        return False, None
+        # blocks may be freed now. A prefill request for a remote decode returns where the
+        # decode's daemon pulls its blocks from (:mod:`.pd`).
+        params = self.scheduler.finished(request) if self.scheduler is not None else None
+        return False, params
 
     def shutdown(self) -> None:
         if self.scheduler is not None:
@@ -224,6 +231,10 @@ class SchedulerSide:
         timeout = float(extra.get("timeout_s", 5.0))
         self.backoff = Backoff(float(extra.get("retry_s", 5.0)))
         self.load_async = flag_setting(extra, "load_async", True)
+        # kv_both (the default) loads and saves; kv_producer only saves, kv_consumer only loads.
+        kv_role = getattr(vllm_config.kv_transfer_config, "kv_role", None) or "kv_both"
+        self.loads, self.saves = kv_role != "kv_producer", kv_role != "kv_consumer"
+        self.pd_wait_ms = int(float(extra.get("pd_wait_ms", DEFAULT_WAIT_MS)))
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         endpoints = resolve_endpoints(extra)[:tp_size]
         # Every rank's daemon must hold a block for the load to land everywhere: ask all.
@@ -234,6 +245,8 @@ class SchedulerSide:
                                self._lookup_failed, wait_s=float(extra.get("lookup_wait_ms", 2.0)) / 1000)
         #: What kvswap holds as far as this scheduler knows (:mod:`.known`): answered at once.
         self.known = KnownKeys(int(extra.get("known_keys", DEFAULT_CAPACITY)))
+        #: Where a decode engine's daemons reach this engine's (for prefill requests, :mod:`.pd`).
+        self.peer_addresses = PeerAddresses(self.clients, timeout, self.backoff.retry_s)
         self._pending: dict[str, tuple[int, int]] = {}  # req_id -> (first block, blocks to load)
         #: Scheduler time the connector spent on each request not yet admitted (its lookups'
         #: calls and the load's planning): the cost a new request pays on the scheduler.
@@ -264,11 +277,19 @@ class SchedulerSide:
     def prefetch(self, request: Any) -> None:
         """A request was added: send its lookup now (see :mod:`.lookups`)."""
         t = time.perf_counter()
-        if self.backoff.open:
+        if wants_remote_decode(getattr(request, "kv_transfer_params", None)):
+            self.peer_addresses.prepare()
+        if self.loads and self.backoff.open:
             keys = self._keys(request)
+            peers = self._peers(request)
             self.lookups.prefetch(request.request_id, keys[:loadable_blocks(len(keys), request.num_tokens,
-                                                                           self.block_size)])
+                                                                           self.block_size)],
+                                  peers or (), self.pd_wait_ms if peers else 0)
         self._admit_s[request.request_id] = time.perf_counter() - t
+
+    def _peers(self, request: Any) -> list[str] | None:
+        """A decode request's prefill daemons, one per rank (:mod:`.pd`), or None."""
+        return remote_peers(getattr(request, "kv_transfer_params", None), len(self.clients))
 
     def _matched(self, request: Any, num_computed_tokens: int) -> int | None:
         req_id = request.request_id
@@ -276,25 +297,33 @@ class SchedulerSide:
         keys = self._keys(request)
         usable = loadable_blocks(len(keys), request.num_tokens, self.block_size)
         first = num_computed_tokens // self.block_size
-        if first >= usable or not self.backoff.open:
+        if first >= usable or not self.loads or not self.backoff.open:
             self.lookups.forget(req_id)
             return 0
+        peers = self._peers(request)
         hits: int | None = self.known.prefix(keys[first:usable])
-        if hits:
+        if hits and (peers is None or first + hits == usable):
+            # A decode request's prompt is claimed from the view only where the view has all of
+            # it; otherwise its daemons pull the rest from the prefill's.
             self.lookups.forget(req_id)  # the prefetched lookup is not needed
             self.stats.counts["lookups_answered_locally"] += 1
         else:
-            hits = self.lookups.ask(req_id, keys[:usable], first)
+            hits = self.lookups.ask(req_id, keys[:usable], first, peers or (), self.pd_wait_ms if peers else 0)
             if not hits:
                 return hits  # None: ask again next step
             self.known.add(keys[first:first + hits])
         # Stored in kvswap, so not worth saving again whether or not it is loaded.
         tracked = self._tracked.setdefault(req_id, _Tracked(request))
         tracked.saved = max(tracked.saved, first + hits)
-        decision = self.policy.decide(hits)
-        self.stats.decision(decision.reason, hits * self.block_size)
-        if not decision.load:
-            return 0
+        if peers is not None:
+            # A decode engine is there not to prefill: what the prefill computed is always loaded.
+            self.stats.counts["pd_decode_requests"] += 1
+            self.stats.decision("remote_prefill", hits * self.block_size)
+        else:
+            decision = self.policy.decide(hits)
+            self.stats.decision(decision.reason, hits * self.block_size)
+            if not decision.load:
+                return 0
         self._pending[req_id] = (first, hits)
         return hits * self.block_size
 
@@ -354,6 +383,8 @@ class SchedulerSide:
 
     def _plan_save(self, meta: KvswapMetadata, tracked: _Tracked, computed_after: int) -> None:
         """Save the blocks this step fills, once the forward has computed them."""
+        if not self.saves:
+            return
         keys = self._keys(tracked.request)
         todo = blocks_to_save(tracked.saved, computed_after, self.block_size, len(keys), len(tracked.block_ids))
         if todo:
@@ -378,12 +409,24 @@ class SchedulerSide:
             self.policy.observe_forward(tokens, seconds)
         self.stats.worker(report, self.block_size)
 
-    def finished(self, req_id: str) -> None:
-        self._tracked.pop(req_id, None)
+    def finished(self, request: Any) -> dict[str, Any] | None:
+        """The request left; for a prefill request whose decode runs on another engine, the
+        params that engine's connector pulls the prompt's blocks with (:mod:`.pd`), or None."""
+        req_id = request.request_id
+        tracked = self._tracked.pop(req_id, None)
         self._pending.pop(req_id, None)
         self._admit_s.pop(req_id, None)
         self.lookups.forget(req_id)
         self.stats.maybe_write(self.policy)
+        if not wants_remote_decode(getattr(request, "kv_transfer_params", None)):
+            return None
+        peers = self.peer_addresses.get()
+        self.stats.counts["pd_prefill_requests"] += 1
+        if peers is None:
+            self.stats.counts["pd_prefill_without_peers"] += 1
+            return None
+        # Blocks saved by this request's steps or found stored: the ones the decode can pull.
+        return decode_params(peers, tracked.saved if tracked is not None else 0)
 
     def take_events(self) -> list[vllm_events.KVCacheEvent]:
         if self.events is None:

@@ -44,6 +44,10 @@ class _Asked:
     sent: float
     #: Scheduler time already spent waiting for the replies (see ``wait_s``).
     waited: float = 0.0
+    #: A decode request's (:mod:`.pd`): per client, the daemon its daemon pulls the keys from,
+    #: and how long that may wait for them.
+    peers: tuple[str, ...] = ()
+    wait_ms: int = 0
 
 
 class Lookups:
@@ -75,9 +79,12 @@ class Lookups:
     def __len__(self) -> int:
         return len(self._asked)
 
-    def ask(self, req_id: str, keys: Sequence[str], start: int = 0) -> int | None:
+    def ask(self, req_id: str, keys: Sequence[str], start: int = 0, peers: Sequence[str] = (),
+            wait_ms: int = 0) -> int | None:
         """How many of ``keys[start:]``, from the first on, every daemon holds; None while a
-        reply is missing (sent now, if it was not)."""
+        reply is missing (sent now, if it was not). ``peers`` (one per client): each daemon
+        first pulls the keys it lacks from that peer daemon, which may wait ``wait_ms`` for
+        them (a decode request, :mod:`.pd`)."""
         self._reap()
         wanted = tuple(keys[start:])
         asked = self._asked.get(req_id)
@@ -86,7 +93,7 @@ class Lookups:
             self.forget(req_id)
             asked = None
         if asked is None:
-            if self._send(req_id, wanted, start) == 0:
+            if self._send(req_id, wanted, start, tuple(peers), wait_ms) == 0:
                 return 0
             asked = self._asked[req_id]
         if not self._replied(asked):
@@ -97,7 +104,7 @@ class Lookups:
         if hits >= skip:
             return hits - skip
         # The daemons hold less than the engine's own cache: what they hold past it is unknown.
-        return self._send(req_id, wanted, start)
+        return self._send(req_id, wanted, start, asked.peers, asked.wait_ms)
 
     def _replied(self, asked: _Asked) -> bool:
         """Whether every daemon replied, waiting for them up to what is left of the budget."""
@@ -109,11 +116,11 @@ class Lookups:
                 return False
         return True
 
-    def prefetch(self, req_id: str, keys: Sequence[str]) -> None:
+    def prefetch(self, req_id: str, keys: Sequence[str], peers: Sequence[str] = (), wait_ms: int = 0) -> None:
         """Send the lookup of a request just added, from its first block, so that its reply is
         likely there when the scheduler first asks."""
         if keys and req_id not in self._asked:
-            self._send(req_id, tuple(keys), 0)
+            self._send(req_id, tuple(keys), 0, tuple(peers), wait_ms)
 
     def forget(self, req_id: str) -> None:
         """The request left (finished, aborted) or asks for other keys: drop its lookup."""
@@ -121,18 +128,23 @@ class Lookups:
         if asked is not None:
             self._abandoned.extend(zip(self.clients, asked.ids))
 
-    def _send(self, req_id: str, keys: tuple[str, ...], start: int) -> int | None:
+    def _send(self, req_id: str, keys: tuple[str, ...], start: int, peers: tuple[str, ...] = (),
+              wait_ms: int = 0) -> int | None:
         if len(self._asked) >= MAX_IN_FLIGHT:
             return 0
         ids: list[int] = []
         try:
-            for client in self.clients:
-                ids.append(client.send(Lookup, {"keys": keys}, timeout=self.timeout, block=False))
+            for i, client in enumerate(self.clients):
+                body: dict[str, object] = {"keys": keys}
+                if peers:
+                    body.update(peer=peers[i], wait_ms=wait_ms)
+                # A pull may wait wait_ms at the peer, then copy: the reply's own budget on top.
+                ids.append(client.send(Lookup, body, timeout=self.timeout + wait_ms / 1000, block=False))
         except KvswapError as exc:
             self._abandoned.extend(zip(self.clients, ids))
             self.on_error(exc)
             return 0
-        self._asked[req_id] = _Asked(start, keys, ids, time.perf_counter())
+        self._asked[req_id] = _Asked(start, keys, ids, time.perf_counter(), peers=peers, wait_ms=wait_ms)
         return None
 
     def _answer(self, asked: _Asked) -> int:

@@ -130,4 +130,8 @@ class Backoff:
 
     def failed(self, exc: KvswapError) -> None:
         if exc.retryable:
-            self._until = self._clock() + self.retry_s
+            self.hold()
+
+    def hold(self) -> None:
+        """Skip calls for ``retry_s`` from now, whatever the reason."""
+        self._until = self._clock() + self.retry_s
