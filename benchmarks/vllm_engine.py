@@ -8,11 +8,14 @@ to stdout too, so answers carry a marker):
 
 - ``{"op": "generate", "prompts": [[ids...], ...], "max_tokens": n}`` -> per prompt: tokens,
   logprobs (of the chosen tokens), ttft_s, num_cached_tokens (engine prefix cache + kvswap)
-- ``{"op": "submit", "id": "a", "prompt": [ids...], "max_tokens": n}`` -> ``{"submitted": "a"}``
+- ``{"op": "submit", "id": "a", "prompt": [ids...], "max_tokens": n, "kv_transfer_params": {...}?}``
+  -> ``{"submitted": "a"}``
   at once; the request runs beside the others submitted (vLLM batches them step by step), and
   when it finishes a line ``@@kvswap {"completion": {...}}`` comes on its own (see
   ``StepLoop``): tokens, logprobs, num_cached_tokens, external_tokens (what the connector
-  claimed for it, 0 without one), preemptions, arrival_s, ttft_s, e2e_s and token_times_s.
+  claimed for it, 0 without one), preemptions, arrival_s, ttft_s, e2e_s, token_times_s and
+  kv_transfer_params (what the connector returned when the request finished: a prefill's for
+  its decode, see kvswap/engines/vllm/pd.py; None without).
   ``generate`` and ``reset_prefix_cache`` wait until every submitted request has finished
   (``generate`` steps the engine until it has nothing left, so it would take their outputs).
 - ``{"op": "reset_prefix_cache"}``: empty the engine's own prefix cache
@@ -156,11 +159,15 @@ class EngineProcess:
         return self.call({"op": "generate", "prompts": prompts, "max_tokens": max_tokens}, timeout_s)["results"]
 
     def submit(self, prompt: list[int], max_tokens: int, request_id: str | None = None,
-               timeout_s: float = 60.0) -> str:
+               timeout_s: float = 60.0, kv_transfer_params: dict[str, Any] | None = None) -> str:
         """Start one request (greedy, exactly ``max_tokens`` tokens) and return its id at once;
-        its completion is taken with ``wait`` or ``result``."""
+        its completion is taken with ``wait`` or ``result``. ``kv_transfer_params`` go to vLLM
+        as a disaggregated-serving proxy sends them (the sampling params' ``extra_args``)."""
         rid = request_id if request_id is not None else f"r{next(self._ids)}"
-        got = self.call({"op": "submit", "id": rid, "prompt": prompt, "max_tokens": max_tokens}, timeout_s)
+        command: dict[str, Any] = {"op": "submit", "id": rid, "prompt": prompt, "max_tokens": max_tokens}
+        if kv_transfer_params is not None:
+            command["kv_transfer_params"] = kv_transfer_params
+        got = self.call(command, timeout_s)
         if "error" in got:
             raise RuntimeError(f"submit {rid!r}: {got['error']}")
         return rid
@@ -262,14 +269,20 @@ def build_engine(args: argparse.Namespace) -> Any:
 
     kv_transfer = None
     if args.endpoint:
-        extra = {"endpoint": args.endpoint, "load_policy": args.load_policy}
+        # A deployment's --kv-transfer-config file (deploy/tiers/vllm-*.json) as the base, the
+        # flags over it; without one, the connector as docs/integration.md starts it.
+        base: dict[str, Any] = {"kv_connector": "KvswapConnector",
+                                "kv_connector_module_path": "kvswap.engines.vllm.connector",
+                                "kv_role": args.kv_role, "kv_load_failure_policy": "recompute"}
+        if args.kv_transfer_file:
+            with open(args.kv_transfer_file) as f:
+                base = json.load(f)
+        extra = dict(base.pop("kv_connector_extra_config", None) or {})
+        extra.update({"endpoint": args.endpoint, "load_policy": args.load_policy})
         if args.stats_file:
             extra["stats_file"] = args.stats_file
         extra.update(json.loads(args.connector_extra or "{}"))
-        kv_transfer = KVTransferConfig(kv_connector="KvswapConnector",
-                                       kv_connector_module_path="kvswap.engines.vllm.connector",
-                                       kv_role="kv_both", kv_load_failure_policy="recompute",
-                                       kv_connector_extra_config=extra)
+        kv_transfer = KVTransferConfig(**base, kv_connector_extra_config=extra)
     kv_events: dict[str, Any] = {}
     if args.kv_events_config:
         from vllm.config import KVEventsConfig
@@ -397,8 +410,9 @@ class StepLoop:
         key = "submit:" + rid
         if key in self.live:
             raise ValueError(f"request {rid!r} is still running")
+        extra = {"kv_transfer_params": command["kv_transfer_params"]} if command.get("kv_transfer_params") else None
         params = SamplingParams(max_tokens=int(command["max_tokens"]), temperature=0.0, detokenize=False,
-                                logprobs=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+                                logprobs=0, ignore_eos=True, output_kind=RequestOutputKind.DELTA, extra_args=extra)
         internal = self.llm.llm_engine.add_request(key, {"prompt_token_ids": [int(t) for t in command["prompt"]]},
                                                    params)
         self._internal[internal] = key
@@ -438,6 +452,7 @@ class StepLoop:
         answer({"completion": {**state, "ttft_s": times[0] if times else now - state["arrival_s"],
                                "e2e_s": now - state["arrival_s"], "num_cached_tokens": int(out.num_cached_tokens or 0),
                                "external_tokens": self._external.pop(internal, 0),
+                               "kv_transfer_params": getattr(out, "kv_transfer_params", None),
                                "preemptions": int(getattr(metrics, "num_preemptions", 0) or 0)}})
 
     def _fail(self, key: str, error: str) -> None:
@@ -505,6 +520,9 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--dtype", default="bfloat16", help="the model's and so the KV cache's dtype (float32: a "
                         "CPU without bf16)")
+    parser.add_argument("--kv-role", default="kv_both", choices=("kv_both", "kv_producer", "kv_consumer"))
+    parser.add_argument("--kv-transfer-file", default="", help="a --kv-transfer-config JSON file as the base (its "
+                        "endpoint and load policy replaced by the flags')")
     parser.add_argument("--connector-extra", default="", help="JSON: more kv_connector_extra_config keys")
     parser.add_argument("--kv-events-config", default="", help="JSON: vLLM's --kv-events-config")
     parser.add_argument("--kv-events-log", default="", help="write the engine's published KV events here")
