@@ -29,7 +29,7 @@ from kvswap.protocol.limits import MAX_PEER_REPLY_BYTES, PEER_REPLY_OVERHEAD
 from .data_threads import run
 from .deadline import Deadline
 from .peer_buffer import TransitBuffer
-from .peer_records import copy_records, current_registration, wait_for_prefix
+from .peer_records import copy_records, current_registration, export_tiers, wait_for_prefix
 from .peer_stats import PeerStats
 from .peer_transport import TransferEngineLink
 from .swapper import Swapper
@@ -75,7 +75,9 @@ class Exporter:
                                limit=MAX_PEER_REPLY_BYTES)
         cap = min(cap, len(request.keys))
         wait_s = min(request.wait_ms / 1000, deadline.remaining() - ANSWER_MARGIN_S)
-        present = await wait_for_prefix(self.swapper, registration, request.keys, time.monotonic() + wait_s, cap)
+        assert registration.tiers is not None
+        local = export_tiers(registration.tiers)
+        present = await wait_for_prefix(self.swapper, registration, request.keys, time.monotonic() + wait_s, cap, local)
         present = min(present, cap)
         offsets = self.buffer.take(present, record_bytes)
         if present and not offsets:
@@ -84,7 +86,7 @@ class Exporter:
                        limit=self.buffer.nbytes)
         outs = [self.buffer.view(o, record_bytes) for o in offsets]
         try:
-            copied = await copy_records(self.swapper, registration, request.keys[:len(offsets)], outs)
+            copied = await copy_records(self.swapper, registration, request.keys[:len(offsets)], outs, local)
             namespace = bytes.fromhex(registration.namespace)
             headers = await run(self.swapper.threads.copy, _headers, namespace, request.keys[:copied], outs[:copied])
         except BaseException:

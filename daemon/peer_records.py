@@ -2,7 +2,8 @@
 for keys on their way), and copies of them into transit memory for an export.
 
 "Here" is what a lookup counts: a record in a retrieve location, or in flight from a swap_out or
-a pull (readable from its staging slot). A prefill's swap_out may still be running when the
+a pull (readable from its staging slot). An export looks in this daemon's own tiers instead
+(:func:`export_tiers`). A prefill's swap_out may still be running when the
 decode side asks, so an export may wait for the keys it lacks: it is woken by
 :class:`~.peer_arrivals.Arrivals` whenever records arrive here, and looks again at least every
 RECHECK_S for records that arrive another way (another daemon's writes to a shared directory).
@@ -21,9 +22,21 @@ from kvswap.protocol.errors import KvswapError, NotRegistered
 from .data_threads import run
 from .registration import Registration
 from .swapper import Swapper
+from .tiers import TIER_ORDER, Locations, NamespaceTiers
 
 #: Longest a waiter goes without looking at the tiers again.
 RECHECK_S = 0.1
+#: The tiers an export reads from: the daemon's own.
+LOCAL_TIERS = ("host", "file")
+
+
+def export_tiers(tiers: NamespaceTiers) -> NamespaceTiers:
+    """``tiers`` as an export sees them: retrieving from this daemon's own tiers (RAM, then
+    files), whatever its retrieve locations. A prefill node that retrieves from the pool alone
+    still exports what its engine saved to RAM; and the pool itself is never exported (a peer
+    that wants it reads it directly)."""
+    local = tuple(t for t in TIER_ORDER if t in LOCAL_TIERS and t in tiers.stores)
+    return NamespaceTiers(tiers.stores, Locations(tiers.locations.store, local, False), tiers.metrics)
 
 
 def current_registration(swapper: Swapper) -> Registration:
@@ -33,9 +46,12 @@ def current_registration(swapper: Swapper) -> Registration:
     return registration
 
 
-async def landed_prefix(swapper: Swapper, registration: Registration, keys: Sequence[str]) -> int:
-    """Leading keys here: in a retrieve location or in flight (as lookup counts them)."""
-    tiers, inflight = registration.tiers, swapper.inflight.keys(registration.namespace)
+async def landed_prefix(swapper: Swapper, registration: Registration, keys: Sequence[str],
+                        tiers: NamespaceTiers | None = None) -> int:
+    """Leading keys here: in a retrieve location (of ``tiers``, default the registration's) or in
+    flight (as lookup counts them)."""
+    tiers = tiers or registration.tiers
+    inflight = swapper.inflight.keys(registration.namespace)
     assert tiers is not None
     hits = tiers.cached_prefix(keys, inflight)
     if hits < len(keys):
@@ -44,12 +60,12 @@ async def landed_prefix(swapper: Swapper, registration: Registration, keys: Sequ
 
 
 async def wait_for_prefix(swapper: Swapper, registration: Registration, keys: Sequence[str], until: float,
-                          enough: int | None = None) -> int:
-    """Leading keys here, waiting until ``until`` (``time.monotonic``) while fewer than
-    ``enough`` (default: all) are."""
+                          enough: int | None = None, tiers: NamespaceTiers | None = None) -> int:
+    """Leading keys here (in ``tiers``, as :func:`landed_prefix`), waiting until ``until``
+    (``time.monotonic``) while fewer than ``enough`` (default: all) are."""
     enough = len(keys) if enough is None else enough
     while True:
-        hits = await landed_prefix(swapper, registration, keys)
+        hits = await landed_prefix(swapper, registration, keys, tiers)
         left = until - time.monotonic()
         if hits >= enough or left <= 0 or registration is not swapper.registration:
             return hits
@@ -57,11 +73,12 @@ async def wait_for_prefix(swapper: Swapper, registration: Registration, keys: Se
 
 
 async def copy_records(swapper: Swapper, registration: Registration, keys: Sequence[str],
-                       outs: Sequence[np.ndarray]) -> int:
+                       outs: Sequence[np.ndarray], tiers: NamespaceTiers | None = None) -> int:
     """Copy the records of ``keys`` into ``outs`` (one record each), from where swap_in would
-    load them: an in-flight write's slot, a RAM-tier slot, else a read from the tiers (checked
-    as every read is). Returns the leading records copied; it stops at the first it lacks."""
-    tiers, namespace = registration.tiers, registration.namespace
+    load them (from ``tiers``, default the registration's): an in-flight write's slot, a RAM-tier
+    slot, else a read from the tiers (checked as every read is). Returns the leading records
+    copied; it stops at the first it lacks."""
+    tiers, namespace = tiers or registration.tiers, registration.namespace
     assert tiers is not None
     held: list[HeldRecord | None] = [None] * len(keys)
     entries = [swapper.inflight.get(namespace, key) for key in keys]

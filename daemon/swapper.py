@@ -588,7 +588,7 @@ def _write_chunk(tiers: NamespaceTiers, items: list[tuple[str, Slot]],
     failures: Counter[tuple[str, str, str]] = Counter()
     for key, payload in items:
         try:
-            outcomes.append(tiers.write(key, payload, tiers.pull_to if pulled else None))
+            outcomes.append(tiers.write_pulled(key, payload) if pulled else tiers.write(key, payload))
         except KvswapError as exc:
             failures[(str(exc.details.get("tier", "")), exc.code, str(exc.details.get("reason", exc.message)))] += 1
             outcomes.append(exc.code)

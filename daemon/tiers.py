@@ -184,12 +184,19 @@ class NamespaceTiers:
 
     # -- records ------------------------------------------------------------------------------
 
-    def write(self, key: str, slot: HeldRecord, stores: Sequence[Store] | None = None) -> str:
-        """Store one record, gathered into ``slot``, in every store location (or ``stores``; the
-        RAM tier keeps the slot itself). "stored" only when all have it; else the first
-        failure's code (the record may be in the other tiers)."""
+    def write(self, key: str, slot: HeldRecord) -> str:
+        """Store one record, gathered into ``slot``, in every store location (the RAM tier keeps
+        the slot itself). "stored" only when all have it; else the first failure's code (the
+        record may be in the other tiers)."""
+        return self._write(key, slot, self.store_to)
+
+    def write_pulled(self, key: str, slot: HeldRecord) -> str:
+        """Store a record pulled from a peer daemon, in :attr:`pull_to`, as :meth:`write` does."""
+        return self._write(key, slot, self.pull_to)
+
+    def _write(self, key: str, slot: HeldRecord, stores: Sequence[Store]) -> str:
         failure: KvswapError | None = None
-        for store in self.store_to if stores is None else stores:
+        for store in stores:
             started = time.perf_counter()
             try:
                 store.put_slot(key, slot)

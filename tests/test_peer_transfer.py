@@ -231,9 +231,13 @@ def test_concurrent_lookups_of_the_same_keys_share_one_pull(pair_of) -> None:
 def test_pulled_records_reach_the_pool_and_a_down_pool_holds_nothing_up(pair_of, tmp_path: Path) -> None:
     redis = RedisServer(tmp_path).start()
     try:
-        pair = pair_of("inline", decode_args=("--remote-url", redis.url, "--store-locations", "host,remote",
-                                              "--retrieve-locations", "host,remote", "--pd-role", "decode",
-                                              "--remote-check-interval-s", "0.2"))
+        # The prefill as deployed: it stores to RAM and retrieves from the pool alone, and still
+        # exports what its engine stored.
+        pair = pair_of("inline", prefill_args=("--remote-url", redis.url, "--store-locations", "host",
+                                               "--retrieve-locations", "remote", "--pd-role", "prefill"),
+                       decode_args=("--remote-url", redis.url, "--store-locations", "host,remote",
+                                    "--retrieve-locations", "host,remote", "--pd-role", "decode",
+                                    "--remote-check-interval-s", "0.2"))
         pair.a.swap_out(list(range(8)), KEYS, wait="persisted")
         assert pair.b.lookup(KEYS, peer=peer_address(pair.prefill)) == 8
         assert pair.b.hello()["peer"]["pd_role"] == "decode"
