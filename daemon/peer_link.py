@@ -28,8 +28,12 @@ log = logging.getLogger("kvswap.daemon.peer")
 
 #: Peer daemons a daemon keeps a connection to at once.
 MAX_LINKS = 64
-#: Requests queued towards a peer that is not connected (yet) before sends fail at once.
+#: Requests queued towards a connected peer (its socket full) before sends fail at once.
 SEND_QUEUE = 64
+#: How long a request waits for its peer's connection (a new link, or one whose peer went away)
+#: before it fails ``unavailable``. A peer is reached in milliseconds or is down: a decode whose
+#: prefill daemon died gets its miss (and recomputes) after this, not after its whole wait.
+CONNECT_WAIT_S = 1.0
 
 
 class PeerLink:
@@ -39,6 +43,9 @@ class PeerLink:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_PEER_REPLY_BYTES + 4096)
         sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
+        # Queue only to a live connection: a request sent while the peer is down is refused at
+        # once rather than kept and delivered to it, stale, once it is back.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RCVHWM, 4)  # replies are read as they come; a flood waits in TCP
         if "://[" in address:
             sock.setsockopt(zmq.IPV6, 1)
@@ -58,11 +65,17 @@ class PeerLink:
     async def call(self, request: m.Request, timeout: float) -> dict[str, Any]:
         """The peer's result, or its typed error raised; ``timeout`` when no reply came in
         ``timeout`` seconds, ``unavailable`` when it cannot be sent."""
-        future: asyncio.Future[m.Reply] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        # pyzmq's stub of the async poll lacks its flags argument (as protocol/client.py notes).
+        if not await self._sock.poll(int(min(timeout, CONNECT_WAIT_S) * 1000), zmq.POLLOUT):  # type: ignore[call-arg]
+            raise Unavailable(f"peer {self.address} is not connected (waited {min(timeout, CONNECT_WAIT_S):.1f} s)",
+                              peer=self.address)
+        future: asyncio.Future[m.Reply] = loop.create_future()
         self._waiting[request.id] = future
         try:
             self.send(request)
-            reply = await asyncio.wait_for(future, max(0.001, timeout))
+            reply = await asyncio.wait_for(future, max(0.001, timeout - (loop.time() - started)))
         except asyncio.TimeoutError:
             raise Timeout(f"peer {self.address} did not answer {request.op} in {timeout:.3f} s",
                           peer=self.address) from None
