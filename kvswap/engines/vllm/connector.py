@@ -76,7 +76,7 @@ from kvswap.protocol.errors import KvswapError, Unavailable
 from .events import EventForwarder
 from .known import DEFAULT_CAPACITY, KnownKeys
 from .lookups import Lookups
-from .pd import DEFAULT_WAIT_MS, PeerAddresses, decode_params, remote_peers, wants_remote_decode
+from .pd import DEFAULT_WAIT_MS, PeerAddresses, decode_params, remote_blocks, remote_peers, wants_remote_decode
 from .plan import (
     Backoff,
     block_meta_setting,
@@ -282,8 +282,7 @@ class SchedulerSide:
         if self.loads and self.backoff.open:
             keys = self._keys(request)
             peers = self._peers(request)
-            self.lookups.prefetch(request.request_id, keys[:loadable_blocks(len(keys), request.num_tokens,
-                                                                           self.block_size)],
+            self.lookups.prefetch(request.request_id, keys[:self._usable(request, len(keys), peers)],
                                   peers or (), self.pd_wait_ms if peers else 0)
         self._admit_s[request.request_id] = time.perf_counter() - t
 
@@ -291,20 +290,30 @@ class SchedulerSide:
         """A decode request's prefill daemons, one per rank (:mod:`.pd`), or None."""
         return remote_peers(getattr(request, "kv_transfer_params", None), len(self.clients))
 
+    def _usable(self, request: Any, num_keys: int, peers: list[str] | None) -> int:
+        """Leading blocks a load may fill; for a decode request, no more than the prefill saved
+        or found stored (:func:`.pd.remote_blocks`)."""
+        usable = loadable_blocks(num_keys, request.num_tokens, self.block_size)
+        saved = remote_blocks(request.kv_transfer_params) if peers is not None else None
+        return usable if saved is None else min(usable, saved)
+
     def _matched(self, request: Any, num_computed_tokens: int) -> int | None:
         req_id = request.request_id
         self._pending.pop(req_id, None)
         keys = self._keys(request)
-        usable = loadable_blocks(len(keys), request.num_tokens, self.block_size)
+        peers = self._peers(request)
+        usable = self._usable(request, len(keys), peers)
         first = num_computed_tokens // self.block_size
         if first >= usable or not self.loads or not self.backoff.open:
             self.lookups.forget(req_id)
             return 0
-        peers = self._peers(request)
+        # Both ends of a prefill/decode pair see only part of what is stored: a decode engine's
+        # view lacks what the prefill computed (its daemons pull the rest), a prefill engine's
+        # lacks what the decode engines stored in the pool (the blocks of the last answer). Their
+        # requests are claimed from the view only where it has every block.
+        partial_view = peers is None and not wants_remote_decode(getattr(request, "kv_transfer_params", None))
         hits: int | None = self.known.prefix(keys[first:usable])
-        if hits and (peers is None or first + hits == usable):
-            # A decode request's prompt is claimed from the view only where the view has all of
-            # it; otherwise its daemons pull the rest from the prefill's.
+        if hits and (partial_view or first + hits == usable):
             self.lookups.forget(req_id)  # the prefetched lookup is not needed
             self.stats.counts["lookups_answered_locally"] += 1
         else:

@@ -83,6 +83,18 @@ def remote_peers(params: Mapping[str, Any] | None, ranks: int) -> list[str] | No
     return list(peers)
 
 
+def remote_blocks(params: Mapping[str, Any] | None) -> int | None:
+    """How many leading blocks of the prompt the prefill saved or found stored (its
+    ``kvswap_blocks``), or None where not said: the decode asks for no more (a block the
+    prefill never saved would hold its lookup for the whole wait).
+
+    >>> remote_blocks({"kvswap_blocks": 3}), remote_blocks({"kvswap_blocks": "3"}), remote_blocks(None)
+    (3, None, None)
+    """
+    blocks = params.get("kvswap_blocks") if params else None
+    return blocks if isinstance(blocks, int) and not isinstance(blocks, bool) and blocks >= 0 else None
+
+
 class PeerAddresses:
     """The addresses other daemons reach this engine's daemons at, one per rank: each daemon's
     ``hello()["peer"]["address"]``, asked without blocking the scheduler: sent when a prefill
