@@ -13,7 +13,8 @@ to stdout too, so answers carry a marker):
   at once; the request runs beside the others submitted (vLLM batches them step by step), and
   when it finishes a line ``@@kvswap {"completion": {...}}`` comes on its own (see
   ``StepLoop``): tokens, logprobs, num_cached_tokens, external_tokens (what the connector
-  claimed for it, 0 without one), preemptions, arrival_s, ttft_s, e2e_s, token_times_s and
+  claimed for it, 0 without one), engine_cached_tokens (the engine's own prefix-cache hit as the
+  connector was told it; None without a connector), preemptions, arrival_s, ttft_s, e2e_s, token_times_s and
   kv_transfer_params (what the connector returned when the request finished: a prefill's for
   its decode, see kvswap/engines/vllm/pd.py; None without).
   ``generate`` and ``reset_prefix_cache`` wait until every submitted request has finished
@@ -379,24 +380,36 @@ class StepLoop:
         self.llm = llm
         self.live: dict[str, dict[str, Any]] = {}  # by vLLM's request id (ours, prefixed)
         self._external: dict[str, int] = {}  # vLLM's internal request id -> tokens the connector claimed
+        self._engine_cached: dict[str, int] = {}  # ... -> tokens the engine's own prefix cache had
         self._internal: dict[str, str] = {}  # vLLM's internal id -> ours
         self._watch_connector()
 
     def _watch_connector(self) -> None:
-        # vLLM reports num_cached_tokens (its own cache and the connector's together) but not the
-        # connector's share; the scheduler tells the connector that share once a request's
-        # blocks are allocated (update_state_after_alloc), so the first such call is recorded.
+        # vLLM reports num_cached_tokens (its own cache and the connector's together, and not
+        # always the connector's share of an async load) but not the split; the scheduler tells
+        # the connector both: its own cache's hit when it asks for matched tokens, the
+        # connector's share once the request's blocks are allocated (update_state_after_alloc).
+        # The first allocation is recorded, with the last own-cache hit asked before it.
         scheduler = getattr(getattr(self.llm.llm_engine.engine_core, "engine_core", None), "scheduler", None)
         connector = getattr(scheduler, "connector", None)
         if connector is None:
             return
         original = connector.update_state_after_alloc
+        original_matched = connector.get_num_new_matched_tokens
+        asked: dict[str, int] = {}
+
+        def matched(request: Any, num_computed_tokens: int) -> Any:
+            if request.request_id in self._internal and request.request_id not in self._external:
+                asked[request.request_id] = int(num_computed_tokens)
+            return original_matched(request, num_computed_tokens)
 
         def recorded(request: Any, blocks: Any, num_external_tokens: int) -> Any:
-            if request.request_id in self._internal:
-                self._external.setdefault(request.request_id, int(num_external_tokens))
+            if request.request_id in self._internal and request.request_id not in self._external:
+                self._external[request.request_id] = int(num_external_tokens)
+                self._engine_cached[request.request_id] = asked.pop(request.request_id, 0)
             return original(request, blocks, num_external_tokens)
 
+        connector.get_num_new_matched_tokens = matched
         connector.update_state_after_alloc = recorded
 
     def busy(self) -> bool:
@@ -452,6 +465,7 @@ class StepLoop:
         answer({"completion": {**state, "ttft_s": times[0] if times else now - state["arrival_s"],
                                "e2e_s": now - state["arrival_s"], "num_cached_tokens": int(out.num_cached_tokens or 0),
                                "external_tokens": self._external.pop(internal, 0),
+                               "engine_cached_tokens": self._engine_cached.pop(internal, None),
                                "kv_transfer_params": getattr(out, "kv_transfer_params", None),
                                "preemptions": int(getattr(metrics, "num_preemptions", 0) or 0)}})
 
@@ -459,6 +473,7 @@ class StepLoop:
         state = self.live.pop(key)
         self._internal.pop(state["internal"], None)
         self._external.pop(state["internal"], None)
+        self._engine_cached.pop(state["internal"], None)
         answer({"completion": {"id": state["id"], "error": error}})
 
     def drain(self) -> None:
