@@ -189,9 +189,12 @@ class HealthGate:
             self._probing = False
             self._lock.notify_all()
             self.probes += 1
+            # A health check of a tier that was healthy is no reconnect (it used to count one,
+            # and warn "reachable again", every check).
+            recovered = self._ever_connected and not self._healthy
             self._healthy = True
             self._streak = 0
-            if self._ever_connected:
+            if recovered:
                 self.reconnects += 1
                 log.warning("remote tier %s is reachable again", self.name)
             self._ever_connected = True

@@ -217,6 +217,17 @@ def test_operations_wait_for_the_first_connect_instead_of_failing():
     assert waiter_done.is_set() and gate.healthy and len(calls) == 1
 
 
+def test_gate_checks_of_a_healthy_tier_are_no_reconnects(caplog):
+    clock, probe = FakeClock(), Probe()
+    gate = HealthGate("t", probe, clock=clock)
+    with caplog.at_level("WARNING", logger="kvswap.backends.remote_base"):
+        for _ in range(3):
+            assert gate.probe() is True
+            clock.advance(2.0)
+    assert probe.calls == 3 and gate.reconnects == 0
+    assert not [r for r in caplog.records if "reachable again" in r.getMessage()]
+
+
 def test_gate_check_notices_an_outage_while_healthy():
     clock, probe = FakeClock(), Probe()
     gate = HealthGate("t", probe, clock=clock)
