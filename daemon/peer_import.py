@@ -273,8 +273,8 @@ def _check_record(record: Any, ask: list[str], index: int) -> None:
         raise PullRefused("malformed", f"record {index} is not the record of {ask[index]}")
 
 
-def _header_of(record: dict[str, Any], index: int) -> bytes:
-    header = record.get("header")
+def _header_of(record: Any, index: int) -> bytes:
+    header = record.get("header") if isinstance(record, dict) else None
     if not isinstance(header, bytes) or len(header) < HEADER_CORE_BYTES:
         raise PullRefused("malformed", f"record {index} has no record header")
     return header

@@ -402,6 +402,7 @@ def _lies(namespace: str) -> dict[str, Callable[[dict], bytes | None]]:
             _good_record("f" * 32, k, b"\0" * size) for k in r["keys"]]}),
         "garbage": lambda r: b"\xc1 not msgpack",
         "not_a_map": lambda r: msgpack.packb([1, 2, 3]),
+        "records_not_maps": lambda r: _reply(r, {"transport": "inline", "records": [7] * len(r["keys"])}),
         "wrong_id": lambda r: msgpack.packb({"v": 1, "id": r["id"] + 1, "ok": True, "result": {}}),
         "foreign_segment": lambda r: _reply(r, {"transport": "mooncake", "segment": "10.9.9.9:1", "lease": "x",
                                                 "records": [{"key": k, "header": b"\0" * 196, "addr": 0,
