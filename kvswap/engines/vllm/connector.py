@@ -234,6 +234,13 @@ class SchedulerSide:
         # kv_both (the default) loads and saves; kv_producer only saves, kv_consumer only loads.
         kv_role = getattr(vllm_config.kv_transfer_config, "kv_role", None) or "kv_both"
         self.loads, self.saves = kv_role != "kv_producer", kv_role != "kv_consumer"
+        if kv_role != "kv_both":
+            # Said once at start: vLLM's own disaggregation examples set these roles, and with
+            # kvswap each end of a pair both loads and saves (docs/integration.md).
+            log.warning("kvswap connector: kv_role %s: this engine %s; in a prefill/decode pair both engines "
+                        "run kv_both (the prefill loads the history from the pool, the decode saves the "
+                        "conversation to it)", kv_role,
+                        "saves to kvswap and never loads" if not self.loads else "loads and never saves")
         self.pd_wait_ms = int(float(extra.get("pd_wait_ms", DEFAULT_WAIT_MS)))
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         endpoints = resolve_endpoints(extra)[:tp_size]
