@@ -5,9 +5,12 @@ re-exported here; what only tests use (an in-process daemon, a write gate) is be
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
+import sys
 import threading
 from pathlib import Path
+from types import ModuleType
 
 from kvswap.daemon.tools.local_daemon import free_port
 from kvswap.testing.daemon_process import DaemonProcess
@@ -15,7 +18,20 @@ from kvswap.testing.polling import wait_until
 from kvswap.testing.skips import INSTALLED_BY_TEST_SETUP
 
 __all__ = ["INSTALLED_BY_TEST_SETUP", "DaemonProcess", "GatedWrites", "InProcessDaemon", "cuda_driver_loads", "free_port",
-           "record_bytes_on_disk", "shm_exists", "wait_until"]
+           "load_benchmark", "record_bytes_on_disk", "shm_exists", "wait_until"]
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """A script of benchmarks/ as a module (they are scripts, not a package), once: kept in
+    ``sys.modules`` under its name, as dataclasses need and as the scripts find each other."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def cuda_driver_loads() -> bool:

@@ -10,16 +10,14 @@ prefill's daemon killed between prefill and decode. vLLM's environment is the co
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support import wait_until
+from support import load_benchmark, wait_until
 from test_vllm_connector import vllm_python  # noqa: F401  (a fixture)
 
 from kvswap.protocol import Client
@@ -27,23 +25,11 @@ from kvswap.testing.remote_servers import redis_skip_reason
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
-REPO = Path(__file__).resolve().parent.parent
 SYSTEM_TOKENS = 160  # 5 blocks: a turn-1 history of at least 176 tokens, >= 82% of it in full blocks
 MAX_ANSWER = 8
 
 
-def _load(name: str) -> Any:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec is not None and spec.loader is not None
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-pd = _load("pd_replay")
+pd = load_benchmark("pd_replay")
 
 
 class Rig:
@@ -51,7 +37,7 @@ class Rig:
 
     def __init__(self, python: str, work: Path) -> None:
         self.work = work
-        mod = _load("vllm_engine")
+        mod = load_benchmark("vllm_engine")
         model = pd.TINY_MODEL
         self.vocab = model["vocab"]
         model_dir = mod.make_model_dir(str(work / "model"), model["layers"], model["hidden"], model["heads"],

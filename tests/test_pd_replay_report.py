@@ -5,26 +5,12 @@ names others read, from issue 25)."""
 from __future__ import annotations
 
 import doctest
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from support import load_benchmark
 
 
-def _load(name: str) -> Any:
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec is not None and spec.loader is not None
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-pd = _load("pd_replay")
+pd = load_benchmark("pd_replay")
 
 
 class RecordingEngine:

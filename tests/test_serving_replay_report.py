@@ -3,26 +3,12 @@ samples and a fake engine: no vLLM, no daemon, pure Python."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
+from support import load_benchmark
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _load_replay():
-    spec = importlib.util.spec_from_file_location("serving_replay", REPO / "benchmarks" / "serving_replay.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    sys.modules["serving_replay"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-replay = _load_replay()
+replay = load_benchmark("serving_replay")
 Sample = replay.Sample
 
 

@@ -14,7 +14,6 @@ from this checkout.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import platform
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import DaemonProcess, free_port, wait_until
+from support import DaemonProcess, free_port, load_benchmark, wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
@@ -42,11 +41,7 @@ BLOCK_BYTES = LAYERS * 2 * KV_HEADS * (HIDDEN // HEADS) * BLOCK * 2
 
 
 def _load_engine_module():
-    spec = importlib.util.spec_from_file_location("vllm_engine", REPO / "benchmarks" / "vllm_engine.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("vllm_engine")
 
 
 def _run(argv: list[str], log: Path, timeout: float) -> None:
