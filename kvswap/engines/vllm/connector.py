@@ -72,6 +72,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvswap.protocol import kv_events as kvswap_events
 from kvswap.protocol.client import Client
 from kvswap.protocol.errors import KvswapError, Unavailable
+from kvswap.protocol.limits import MAX_WAIT_MS
 
 from .events import EventForwarder
 from .known import DEFAULT_CAPACITY, KnownKeys
@@ -242,6 +243,8 @@ class SchedulerSide:
                         "conversation to it)", kv_role,
                         "saves to kvswap and never loads" if not self.loads else "loads and never saves")
         self.pd_wait_ms = int(float(extra.get("pd_wait_ms", DEFAULT_WAIT_MS)))
+        if not 0 <= self.pd_wait_ms <= MAX_WAIT_MS:
+            raise ValueError(f"kv_connector_extra_config pd_wait_ms must be 0..{MAX_WAIT_MS}, got {self.pd_wait_ms}")
         tp_size = vllm_config.parallel_config.tensor_parallel_size
         endpoints = resolve_endpoints(extra)[:tp_size]
         # Every rank's daemon must hold a block for the load to land everywhere: ask all.
