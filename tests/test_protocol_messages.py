@@ -656,8 +656,17 @@ SPEC: dict[str, dict[str, tuple[Any, bool, Any]]] = {
                  "wait": (lambda v: _code(v in ("copied", "persisted") and type(v) is str), False, "copied"),
                  "partial": (lambda v: _code(type(v) is bool), False, False), **SPEC_OWNER},
     "swap_in": {"keys": (_spec_keys, True, None), "block_ids": (_spec_block_ids, True, None), **SPEC_OWNER},
-    "lookup": {"keys": (_spec_keys, True, None)},
+    "lookup": {"keys": (_spec_keys, True, None),
+               "peer": (lambda v: _code(type(v) is str and len(v) <= 256 and (v == "" or v.startswith("tcp://"))),
+                        False, ""),
+               "wait_ms": (lambda v: _code(_spec_uint(v, 60_000)), False, 0)},
     "delete": {"keys": (_spec_keys, True, None)},
+    "peer_export": {"keys": (_spec_keys, True, None),
+                    "namespace": (lambda v: _code(type(v) is str and re.fullmatch(r"[0-9a-f]{32}", v) is not None),
+                                  True, None),
+                    "wait_ms": (lambda v: _code(_spec_uint(v, 60_000)), False, 0),
+                    "transport": (lambda v: _code(type(v) is str and v in ("mooncake", "inline")), False, "inline")},
+    "peer_release": {"lease": (lambda v: _code(type(v) is str and len(v) <= 256), True, None)},
 }
 
 
@@ -808,7 +817,8 @@ def test_the_schema_model_refuses_a_key_with_a_slash() -> None:
     """The oracle itself: a key with ``/`` is refused (the old oracle accepted any decode)."""
     msg = {"v": 1, "id": 1, "op": "lookup", "keys": ["a/b"]}
     assert spec_outcome(msg) == (1, {"invalid_key"})
-    assert spec_outcome({**msg, "keys": ["a.b"]})[1] == {"op": "lookup", "id": 1, "timeout_ms": None, "keys": ("a.b",)}
+    assert spec_outcome({**msg, "keys": ["a.b"]})[1] == {"op": "lookup", "id": 1, "timeout_ms": None, "keys": ("a.b",),
+                                                         "peer": "", "wait_ms": 0}
     _check_decode_outcome(pack(msg))
 
 
