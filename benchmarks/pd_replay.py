@@ -45,6 +45,7 @@ import argparse
 import importlib.util
 import json
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -131,8 +132,10 @@ def pool_server(kind: str, work: Path) -> tuple[Any, str]:
         cluster = rs.RedisClusterServers(work).start()
         return cluster, cluster.url
     if kind == "mooncake":
+        # Records live in the clients' segments: each daemon gives the pool 256 MiB (with none,
+        # the pool has nowhere to put a record and every put fails).
         master = rs.MooncakeMaster(work).start()
-        return master, master.url()
+        return master, master.url(segment="256MiB")
     raise ValueError(f"unknown pool {kind!r}")
 
 
@@ -245,6 +248,14 @@ def engine_cached(done: dict[str, Any]) -> int:
     """
     own = done.get("engine_cached_tokens")
     return int(own) if own is not None else int(done["num_cached_tokens"]) - int(done.get("external_tokens", 0))
+
+
+def warm_up(engine: Any, seed: int, tokens: int, vocab: int) -> None:
+    """serving_replay.py's warm-up (one request no turn shares, then an empty prefix cache), in
+    this model's vocabulary: a token id past it crashes the engine."""
+    rng = random.Random(f"{seed}:warm-up")
+    engine.generate([[rng.randrange(3, vocab) for _ in range(tokens)]], 4)
+    engine.call({"op": "reset_prefix_cache"})
 
 
 def history_tokens(conversation: Any, session: int, turn: int, prompt: list[int]) -> int:
@@ -443,7 +454,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engines = start_engines(args.python, argv, out)
         print(f"{len(engines)} engines up in {time.monotonic() - started:.0f} s", flush=True)
         for engine in engines.values():
-            replay.warm_up(engine, args.seed, args.system_tokens + 2 * BLOCK)
+            warm_up(engine, args.seed, args.system_tokens + 2 * BLOCK, model["vocab"])
         samples += reference_samples(engines["reference"], conversation, answers, args.turns)
         if args.pair:
             samples += run_pair("without_kvswap", Proxy(engines["plain_prefill"], engines["plain_decode"]),
