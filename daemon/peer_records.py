@@ -64,12 +64,18 @@ async def wait_for_prefix(swapper: Swapper, registration: Registration, keys: Se
     """Leading keys here (in ``tiers``, as :func:`landed_prefix`), waiting until ``until``
     (``time.monotonic``) while fewer than ``enough`` (default: all) are."""
     enough = len(keys) if enough is None else enough
-    while True:
-        hits = await landed_prefix(swapper, registration, keys, tiers)
-        left = until - time.monotonic()
-        if hits >= enough or left <= 0 or registration is not swapper.registration:
-            return hits
-        await swapper.arrivals.wait(min(RECHECK_S, left))
+    hits = await landed_prefix(swapper, registration, keys, tiers)
+    if hits >= enough or until <= time.monotonic() or not swapper.arrivals.join():
+        return hits  # nothing to wait for, or MAX_WAITERS wait already: answered as at the end
+    try:
+        while True:
+            left = until - time.monotonic()
+            if hits >= enough or left <= 0 or registration is not swapper.registration:
+                return hits
+            await swapper.arrivals.wait(min(RECHECK_S, left))
+            hits = await landed_prefix(swapper, registration, keys, tiers)
+    finally:
+        swapper.arrivals.leave()
 
 
 async def copy_records(swapper: Swapper, registration: Registration, keys: Sequence[str],

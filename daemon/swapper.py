@@ -488,6 +488,9 @@ class Swapper:
             "registered": registration is not None,
             "pending_writes": len(self._inflight),
             "write_tasks": len(self._writes.tasks),
+            # Lookups with wait_ms and peer exports waiting for records on their way, and the
+            # waits refused at the cap (peer_arrivals.py).
+            "waiting": {"now": self.arrivals.waiters, "refused": self.arrivals.refused},
         }
         if registration is not None:
             out["registration"] = registration.describe()

@@ -586,3 +586,20 @@ def test_a_wait_longer_than_the_deadline_answers_at_the_deadline_not_timeout(pai
     assert pair.b.lookup(KEYS, peer=peer_address(pair.prefill), wait_ms=60_000, timeout=1.0) == 0
     assert time.monotonic() - started < 1.5
     assert pair.b.ping() >= 0
+
+
+def test_at_most_64_requests_wait_for_records_and_one_more_answers_at_once(pair_of) -> None:
+    from kvswap.daemon.peer_arrivals import MAX_WAITERS
+
+    pair = pair_of("inline")
+    with Client(pair.decode.endpoint, timeout=30) as c:
+        # MAX_WAITERS lookups wait for keys of this daemon's own that are not here yet ...
+        waiting = [c.send(m.Lookup, {"keys": KEYS, "wait_ms": 20000}, timeout=30) for _ in range(MAX_WAITERS)]
+        assert wait_until(lambda: pair.b.stats()["waiting"]["now"] == MAX_WAITERS, 20)
+        # ... so one more looks once and answers, while they still wait.
+        assert pair.b.lookup(KEYS, wait_ms=20000) == 0
+        assert pair.b.stats()["waiting"] == {"now": MAX_WAITERS, "refused": 1}
+        pair.decode_cache.fill_random(4)
+        pair.b.swap_out(list(range(8)), KEYS)  # the keys arrive: every waiter answers them
+        assert [c.wait(i)["hits"] for i in waiting] == [8] * MAX_WAITERS
+    assert pair.b.stats()["waiting"] == {"now": 0, "refused": 1}
