@@ -62,7 +62,13 @@ def _caught_up(condition: Callable[[], bool], sub: Subscriber, timeout: float = 
 
 
 def _matches(sub: Subscriber, d: InProcessDaemon, namespace: str, universe: list[str]) -> bool:
+    """The subscriber's view equals every tier's index, once the file tier's start-up scan is
+    over (before, its index and the events both lack the records still to be found: an empty
+    match that lookup, reading the files, contradicts)."""
     sub.catch_up()
+    file = d.daemon.swapper.registrar.namespaces[namespace].stores["file"]
+    if not file.scan_complete.is_set():  # type: ignore[attr-defined]
+        return False
     truth = _truth(d, namespace, universe)
     return all(sub.view.keys(tier) == keys for tier, keys in truth.items())
 
