@@ -334,6 +334,12 @@ PEER_TRANSPORTS: Final = ("auto", "mooncake", "inline")
 PD_ROLES: Final = ("none", "prefill", "decode")
 
 
+def peer_host(address: str) -> str:
+    """A peer address's host, as the transfer engine names its segment: ``tcp://10.0.0.5:55500``
+    -> ``10.0.0.5`` (``tcp://[::1]:1`` -> ``::1``)."""
+    return address[len("tcp://"):].rpartition(":")[0].strip("[]")
+
+
 def _peer_address_problem(endpoint: str) -> str:
     """Why ``endpoint`` cannot be a ``--peer-address`` ("" if it can): another host's daemon
     connects to it, so it is ``tcp://HOST:PORT`` with a host it can reach (not a wildcard)."""

@@ -21,7 +21,7 @@ from typing import Any
 from kvswap.protocol import messages as m
 from kvswap.protocol.errors import BadRequest
 
-from .config import Config
+from .config import Config, peer_host
 from .curve import load_public_key, load_secret_key
 from .deadline import Deadline
 from .peer_buffer import TransitBuffer
@@ -33,11 +33,6 @@ from .peer_transport import TransferEngineLink, open_transport
 from .swapper import Swapper
 
 log = logging.getLogger("kvswap.daemon.peer")
-
-
-def peer_host(address: str) -> str:
-    """``tcp://10.0.0.5:55500`` -> ``10.0.0.5`` (``tcp://[::1]:1`` -> ``::1``)."""
-    return address[len("tcp://"):].rpartition(":")[0].strip("[]")
 
 
 class PeerTransfer:

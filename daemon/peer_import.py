@@ -32,6 +32,7 @@ from kvswap.protocol.errors import Corrupt, KvswapError
 from kvswap.protocol.limits import MAX_KEYS_PER_REQUEST
 
 from .background import Background
+from .config import peer_host
 from .data_threads import run
 from .deadline import Deadline
 from .peer_buffer import TransitBuffer
@@ -229,10 +230,10 @@ class Importer:
         """Read leased records from the peer's transfer-engine segment into the receive buffer."""
         assert self.engine is not None
         segment = result.get("segment")
-        peer_host = peer[len("tcp://"):].rpartition(":")[0]
-        if not isinstance(segment, str) or segment.rpartition(":")[0] != peer_host:
+        host = peer_host(peer)
+        if not isinstance(segment, str) or segment.rpartition(":")[0] != host:
             # Only the peer's own host: a reply must not send this daemon's engine elsewhere.
-            raise PullRefused("malformed", f"segment {str(segment)[:64]!r} is not on the peer's host {peer_host}")
+            raise PullRefused("malformed", f"segment {str(segment)[:64]!r} is not on the peer's host {host}")
         remote = []
         for i, r in enumerate(records):
             _check_record(r, ask, i)
