@@ -226,8 +226,7 @@ class FileStore(Store):
             if name in self._keys:
                 continue
             try:
-                with open(self._path(name), "rb") as f:
-                    head = f.read(self.header_len)
+                head = self._read_header(name)
                 header = record.decode_header(head)
             except (OSError, Corrupt):
                 continue
@@ -242,7 +241,7 @@ class FileStore(Store):
     def put(self, key: str, payload: memoryview) -> int:
         if len(payload) != self.record_bytes:
             raise ValueError(f"payload of {len(payload)} bytes, the namespace stores {self.record_bytes}")
-        name, path = self.path_of(key)
+        name = record_name(key)
         worth, stamp = self.index.stamp_for_write(name)
         if not worth:
             # Refused, so records after it that other write threads already stored are stranded.
@@ -253,7 +252,7 @@ class FileStore(Store):
             self._admit(self.file_bytes)
             try:
                 # The file's mtime is its recency stamp, so a restart orders records as the index did.
-                size = self._write(name, path, header, payload, stamp)
+                size = self._write_record(name, header, payload, stamp)
             finally:
                 with self._admission:
                     self._reserved -= self.file_bytes
@@ -263,7 +262,7 @@ class FileStore(Store):
             raise
         if not self.index.add(name, size, stamp, key):
             # Its predecessor was evicted while it was being written: nothing can reach it.
-            self._discard(name, path)
+            self._discard(name)
             self._drop_stranded()
             raise self._chain_broken(key)
         return size
@@ -275,7 +274,7 @@ class FileStore(Store):
         while (victim := self.index.take_stranded()) is not None:
             name, _ = victim
             try:
-                if self.disk.remove(self._path(name)):
+                if self._remove_record(name):
                     self._count("evicted_stranded", 1)
             except OSError as exc:
                 log.warning("cannot remove stranded record %s: %s", name, exc)
@@ -296,11 +295,16 @@ class FileStore(Store):
             return aligned
         return header
 
-    def _write(self, name: str, path: str, header: memoryview | bytes, payload: memoryview, mtime_ns: int) -> int:
+    # -- where records lie: one file each here; the slab layout (slab_store.py) overrides these --
+
+    def _write_record(self, name: str, header: memoryview | bytes, payload: memoryview, stamp: int) -> int:
+        """Store one record's bytes where ``name`` is found again; returns the bytes it takes.
+        Raises the store's typed errors."""
+        path = self._path(name)
         for attempt in (1, 2):
             try:
                 self._make_record_dir(os.path.dirname(path))
-                return self.disk.write_file(self._tmp_path(name), path, [header, payload], mtime_ns=mtime_ns)
+                return self.disk.write_file(self._tmp_path(name), path, [header, payload], mtime_ns=stamp)
             except OSError as exc:
                 if exc.errno in _SPACE_ERRNOS and attempt == 1 and self.is_leader:
                     # The disk filled under us (other tenants, or no cap set): make room, retry once.
@@ -309,6 +313,27 @@ class FileStore(Store):
                         continue
                 raise _io_error(exc, "write a record", path) from None
         raise AssertionError("unreachable")
+
+    def _remove_record(self, name: str) -> bool:
+        """Remove a record's bytes (not its index entry); True if they were there. Raises
+        ``OSError``."""
+        return self.disk.remove(self._path(name))
+
+    def _persist_stamps(self, touched: Sequence[tuple[str, int]]) -> None:
+        """Keep records' new recency stamps across a restart (here: their files' mtimes)."""
+        for name, stamp in touched:
+            try:
+                self.disk.touch(self._path(name), stamp)
+            except OSError:
+                pass  # recency on disk is a hint; a read-only directory still serves reads
+
+    def _location(self, name: str) -> str:
+        """Where a record lies, for error details and logs."""
+        return self._path(name)
+
+    def _read_header(self, name: str) -> bytes:
+        with open(self._path(name), "rb") as f:
+            return f.read(self.header_len)
 
     def _header_buffer(self, use: str) -> memoryview:
         """An aligned header-sized buffer, one per thread and use, reused for every record (a
@@ -365,7 +390,7 @@ class FileStore(Store):
             except Corrupt as exc:
                 log.warning("corrupt record %s for key %s: %s; removing it", path, key, exc.message)
                 self._count("corrupt", 1)
-                self._discard(name, path)
+                self._discard(name)
                 return GetStatus.CORRUPT
         finally:
             self.index.unpin(name)
@@ -396,18 +421,14 @@ class FileStore(Store):
         files' mtimes take the new stamps, so the order survives a restart."""
         touched = self.index.touch_chain([record_name(k) for k in keys])
         if persist:
-            for name, stamp in touched:
-                try:
-                    self.disk.touch(self._path(name), stamp)
-                except OSError:
-                    pass  # recency on disk is a hint; a read-only directory still serves reads
+            self._persist_stamps(touched)
 
     def delete(self, key: str) -> bool:
-        name, path = self.path_of(key)
+        name = record_name(key)
         try:
-            removed = self.disk.remove(path)
+            removed = self._remove_record(name)
         except OSError as exc:
-            raise _io_error(exc, "delete a record", path) from None
+            raise _io_error(exc, "delete a record", self._location(name)) from None
         self.index.remove(name)
         return removed
 
@@ -431,13 +452,13 @@ class FileStore(Store):
             self._closed = True
             self._release_lead()
 
-    def _discard(self, name: str, path: str) -> None:
+    def _discard(self, name: str) -> None:
         """Remove a bad record; if even that fails, it is still never served (the check fails
         again next time)."""
         try:
-            self.disk.remove(path)
+            self._remove_record(name)
         except OSError as exc:
-            log.warning("cannot remove corrupt record %s: %s", path, exc)
+            log.warning("cannot remove corrupt record %s: %s", self._location(name), exc)
         self.index.remove(name)
 
     # -- eviction ---------------------------------------------------------------------------------
@@ -488,13 +509,12 @@ class FileStore(Store):
             if victim is None:
                 break
             name, size = victim
-            path = self._path(name)
             try:
-                if self.disk.remove(path):
+                if self._remove_record(name):
                     self._count(f"evicted_{reason}", 1)
                 freed += size  # a file already gone (another writer's delete) frees its bytes too
             except OSError as exc:
-                log.warning("cannot evict %s: %s; setting it aside", path, exc)
+                log.warning("cannot evict %s: %s; setting it aside", self._location(name), exc)
                 self._count("eviction_failures", 1)
                 self.index.mark_stuck(name, size)
         return freed
@@ -510,9 +530,7 @@ class FileStore(Store):
         # The evicting daemon rescans to count what others wrote; with KV events on, every
         # daemon does, to announce what others wrote or removed.
         if (leading or self.events.enabled) and interval and now - self._last_rescan >= interval:
-            found = list(self._list_records())
-            self._learn_keys(found)
-            self.index.replace_all(found)
+            self._rescan()
             self._last_rescan = now
         if not leading:
             return
@@ -526,6 +544,12 @@ class FileStore(Store):
                 return
             if free < cap.min_free_bytes:
                 self.evict(cap.min_free_bytes - free + max(self.index.bytes // 20, self.file_bytes), "min_free")
+
+    def _rescan(self) -> None:
+        """See what other writers sharing the directory added and removed."""
+        found = list(self._list_records())
+        self._learn_keys(found)
+        self.index.replace_all(found)
 
     def free_bytes(self) -> int | None:
         try:
