@@ -161,6 +161,74 @@ class Disk:
         finally:
             os.close(fd)
 
+    # -- slabs: records at fixed offsets in files kept open (slab_store.py) ------------------------
+
+    def open_slab(self, path: str, writable: bool) -> tuple[int, int | None]:
+        """Open a slab file (created 0600 when ``writable``): a buffered descriptor and, where
+        direct I/O is on, an O_DIRECT one for aligned transfers (None otherwise)."""
+        flags = (os.O_RDWR | os.O_CREAT if writable else os.O_RDONLY) | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(path, flags, 0o600)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise Corrupt("not a regular file where a slab should be")
+        direct = None
+        if self.direct:
+            try:
+                direct = os.open(path, (flags & ~os.O_CREAT) | _O_DIRECT)
+            except OSError:
+                direct = None
+        return fd, direct
+
+    def grow(self, fd: int, size: int) -> None:
+        """Make a slab file ``size`` bytes long with its blocks allocated now, so a full disk
+        shows up here and never halfway through a record."""
+        os.posix_fallocate(fd, 0, size)
+
+    def write_at(self, fd: int, direct_fd: int | None, parts: list[memoryview | bytes], offset: int) -> int:
+        """Write ``parts`` at ``offset``; O_DIRECT where the buffers allow it. ``fsync`` other
+        than none makes the bytes durable before it returns. Returns bytes written."""
+        use = direct_fd if direct_fd is not None and direct_compatible(parts) else fd
+        total = sum(len(p) for p in parts)
+        written = os.pwritev(use, parts, offset)
+        while written < total:
+            step = os.pwritev(use, _rest_after(parts, written), offset + written)
+            if step <= 0:
+                raise OSError(errno.EIO, "write made no progress")
+            written += step
+        if self.fsync != "none":
+            os.fdatasync(use)
+        return total
+
+    def read_at(self, fd: int, direct_fd: int | None, parts: list[memoryview | bytearray], offset: int) -> int:
+        """Read into ``parts`` from ``offset``; returns bytes read (fewer only at end of file)."""
+        use = direct_fd if direct_fd is not None and direct_compatible(parts) else fd
+        want = sum(len(p) for p in parts)
+        done = os.preadv(use, parts, offset)
+        while 0 < done < want:
+            step = os.preadv(use, _rest_after(parts, done), offset + done)
+            if step <= 0:
+                break
+            done += step
+        return done
+
+    def append(self, fd: int, data: bytes, durable: bool) -> None:
+        """Append journal entries (``fd`` is O_APPEND); ``durable`` syncs them."""
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        if durable:
+            os.fdatasync(fd)
+
+    def read_from(self, fd: int, offset: int) -> bytes:
+        """Everything in ``fd`` from ``offset`` to its end."""
+        chunks: list[bytes] = []
+        while True:
+            chunk = os.pread(fd, 1 << 24, offset)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            offset += len(chunk)
+
     def touch(self, path: str, mtime_ns: int | None = None) -> None:
         """Mark a record as used (its mtime: now, or the recency stamp given), so recency
         survives a restart."""

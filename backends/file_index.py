@@ -67,6 +67,11 @@ class RecordIndex:
             self._order.add(name, stamp)
             return not self._order.is_stranded(name)
 
+    def stamp(self, name: str) -> int | None:
+        """``name``'s recency stamp, None when it is not indexed."""
+        with self._lock:
+            return self._order.stamp(name)
+
     def touch(self, name: str) -> bool:
         with self._lock:
             if name in self._sizes:

@@ -67,6 +67,7 @@ __all__ = ["FSYNC_MODES", "DIRECT_IO_MODES", "LOCK_NAME", "RECORD_SUFFIX", "TMP_
 log = logging.getLogger(__name__)
 
 _SPACE_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT})
+FILE_LAYOUTS: Final = ("slab", "files")
 
 
 def _io_error(exc: OSError, action: str, path: str) -> Exception:
@@ -96,9 +97,15 @@ class FileBackend(Backend):
     tier = "file"
 
     def __init__(self, root: str, fsync: str = "none", disk: Disk | None = None, capacity: Capacity | None = None,
-                 direct_io: str = "off", rescan_interval_s: float = 0.0, eviction: str = "chain") -> None:
+                 direct_io: str = "off", rescan_interval_s: float = 0.0, eviction: str = "chain",
+                 layout: str = "files") -> None:
         if direct_io not in DIRECT_IO_MODES:
             raise ValueError(f"direct_io must be one of {DIRECT_IO_MODES}")
+        if layout not in FILE_LAYOUTS:
+            raise ValueError(f"layout must be one of {FILE_LAYOUTS}")
+        #: "slab" (records in slots of files kept open, slab_store.py) or "files" (one file per
+        #: record, this module; the layout before slabs).
+        self.layout = layout
         self.root = os.path.abspath(root)
         self.disk = disk or Disk(fsync)
         self.capacity = capacity or Capacity()
@@ -130,6 +137,10 @@ class FileBackend(Backend):
             log.info("direct I/O %s in %s", "on" if works else "unavailable, using buffered I/O", self.root)
 
     def open_store(self, namespace: str, description: dict[str, Any], record_bytes: int) -> "FileStore":
+        if self.layout == "slab":
+            from .slab_store import SlabStore  # it builds on this module
+
+            return SlabStore(self, namespace, description, record_bytes)
         return FileStore(self, namespace, description, record_bytes)
 
 

@@ -198,7 +198,7 @@ def _swap_out(store, keys: list[str]) -> int:
 @pytest.mark.parametrize("tier", ["file", "host"])
 def test_a_chain_longer_than_the_cap_keeps_its_head_and_nothing_else(tmp_path, tier):
     if tier == "file":
-        store = FileBackend(str(tmp_path), capacity=Capacity(max_bytes=10 * (256 + RECORD))).open_store(NS, {}, RECORD)
+        store = FileBackend(str(tmp_path), capacity=Capacity(max_bytes=10 * (256 + RECORD)), layout="files").open_store(NS, {}, RECORD)
         store.scan()
     else:
         _, store = host_store(10)
@@ -236,12 +236,12 @@ def test_a_host_record_stranded_by_a_refusal_on_another_thread_is_dropped():
 
 
 def test_a_restart_keeps_the_chain_order_in_the_files_mtimes(tmp_path):
-    backend = FileBackend(str(tmp_path))
+    backend = FileBackend(str(tmp_path), layout="files")
     store = backend.open_store(NS, {}, RECORD)
     store.scan()
     _swap_out(store, ["a", "b", "c", "d"])
     store.close()
-    again = FileBackend(str(tmp_path), capacity=Capacity(max_bytes=4 * (256 + RECORD))).open_store(NS, {}, RECORD)
+    again = FileBackend(str(tmp_path), capacity=Capacity(max_bytes=4 * (256 + RECORD)), layout="files").open_store(NS, {}, RECORD)
     again.scan()
     assert again.try_lead()
     again.evict(2 * (256 + RECORD), "capacity")
@@ -270,12 +270,12 @@ def test_refused_records_cost_their_chain_not_the_whole_heap(tmp_path, monkeypat
     predecessor gone) popped and re-pushed every one of them under the index lock looking for
     stranded records: 230 refusals at 40k records took 15 s, and lookups waited meanwhile."""
     records = 3000
-    writer = FileBackend(str(tmp_path)).open_store(NS, {}, RECORD)
+    writer = FileBackend(str(tmp_path), layout="files").open_store(NS, {}, RECORD)
     writer.scan()
     for i in range(records):  # a directory of records the next store finds as leaves
         writer.put(f"old-{i}", payload(i))
     writer.close()
-    store = FileBackend(str(tmp_path)).open_store(NS, {}, RECORD)
+    store = FileBackend(str(tmp_path), layout="files").open_store(NS, {}, RECORD)
     assert store.scan() == records
     store.put("head", payload(0))
     keys = ["head"] + [f"k{i}" for i in range(40)]
@@ -330,7 +330,7 @@ def test_rewriting_a_chains_head_under_pressure_keeps_the_chain(tmp_path, tier):
     """Issue 22 (12a), in the stores: the write of the head a evicts, and the victims must be
     the oldest leaves (x, then c), not b, which a's write makes reachable again."""
     if tier == "file":
-        store = FileBackend(str(tmp_path), capacity=Capacity(max_bytes=3 * (256 + RECORD))).open_store(NS, {}, RECORD)
+        store = FileBackend(str(tmp_path), capacity=Capacity(max_bytes=3 * (256 + RECORD)), layout="files").open_store(NS, {}, RECORD)
         store.scan()
         fillers = ["x"]
     else:

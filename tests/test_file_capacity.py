@@ -28,7 +28,7 @@ def payload(i: int) -> memoryview:
 
 
 def open_store(root, records_cap: int = 0, **kw) -> FileStore:
-    backend = FileBackend(str(root), capacity=Capacity(max_bytes=records_cap * FILE, **kw))
+    backend = FileBackend(str(root), capacity=Capacity(max_bytes=records_cap * FILE, **kw), layout="files")
     store = backend.open_store(NAMESPACE, {"t": 1}, RECORD)
     store.scan()
     return store
@@ -274,7 +274,7 @@ def test_no_rescan_interval_means_the_start_up_scan_only(tmp_path) -> None:
 
 def test_rescans_come_when_the_interval_has_passed_since_the_last_one(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(file_store, "time", SimpleNamespace(monotonic=lambda: 100.0))
-    leader = FileBackend(str(tmp_path), rescan_interval_s=10).open_store(NAMESPACE, {}, RECORD)
+    leader = FileBackend(str(tmp_path), rescan_interval_s=10, layout="files").open_store(NAMESPACE, {}, RECORD)
     leader.scan()  # at 100.0
     other = open_store(tmp_path)
     other.put("theirs", payload(1))
@@ -290,7 +290,7 @@ def test_rescans_come_when_the_interval_has_passed_since_the_last_one(tmp_path, 
 
 
 def test_maintain_reads_the_clock_itself(tmp_path) -> None:
-    leader = FileBackend(str(tmp_path), rescan_interval_s=1e-9).open_store(NAMESPACE, {}, RECORD)
+    leader = FileBackend(str(tmp_path), rescan_interval_s=1e-9, layout="files").open_store(NAMESPACE, {}, RECORD)
     leader.scan()
     open_store(tmp_path).put("theirs", payload(1))
     leader.maintain()
@@ -321,7 +321,7 @@ def test_a_swap_ins_touch_reaches_the_files_and_a_lookups_does_not(tmp_path) -> 
 
 
 def test_rescan_sees_records_other_writers_added_and_removed(tmp_path) -> None:
-    leader = FileBackend(str(tmp_path), rescan_interval_s=1).open_store(NAMESPACE, {}, RECORD)
+    leader = FileBackend(str(tmp_path), rescan_interval_s=1, layout="files").open_store(NAMESPACE, {}, RECORD)
     leader.scan()
     other = open_store(tmp_path)
     other.put("theirs", payload(1))
@@ -448,7 +448,7 @@ def test_a_store_closed_before_its_scan_never_takes_the_lead(tmp_path) -> None:
     for i in range(5):
         writer.put(f"k{i}", payload(i))
     writer.close()
-    closed = FileBackend(str(tmp_path), capacity=Capacity(max_bytes=3 * FILE)).open_store(NAMESPACE, {"t": 1}, RECORD)
+    closed = FileBackend(str(tmp_path), capacity=Capacity(max_bytes=3 * FILE), layout="files").open_store(NAMESPACE, {"t": 1}, RECORD)
     closed.close()
     assert closed.scan() == 0 and closed.counters["scan_records"] == 0
     closed.maintain()
@@ -465,7 +465,7 @@ def test_a_store_closed_during_its_scan_stops_scanning_and_never_leads(tmp_path,
     for i in range(20):
         writer.put(f"k{i}", payload(i))
     writer.close()
-    store = FileBackend(str(tmp_path)).open_store(NAMESPACE, {"t": 1}, RECORD)
+    store = FileBackend(str(tmp_path), layout="files").open_store(NAMESPACE, {"t": 1}, RECORD)
     real_walk = file_store.scan_record_files
 
     def walk_then_close(path):

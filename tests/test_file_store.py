@@ -48,7 +48,7 @@ def root(tmp_path) -> str:
 
 @pytest.fixture
 def backend(root) -> FileBackend:
-    return FileBackend(root)
+    return FileBackend(root, layout="files")
 
 
 @pytest.fixture
@@ -154,7 +154,7 @@ def test_stats_name_every_figure(root, monkeypatch):
     monkeypatch.setattr(file_store, "time", SimpleNamespace(monotonic=lambda: next(clock)))
     per_file = 256 + RECORD_BYTES
     capacity = Capacity(max_bytes=10 * per_file, min_free_bytes=4096)
-    store = FileBackend(root, capacity=capacity).open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
+    store = FileBackend(root, capacity=capacity, layout="files").open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
     store.put("k", payload_for(1))
     assert store.scan() == 1
     assert store.stats() == {
@@ -344,7 +344,7 @@ def test_a_record_keeps_the_recency_it_was_given_before_its_write(root, monkeypa
     """A slow write does not make its record look newer than one written meanwhile: in memory,
     as in its file's mtime, it is as old as the moment it was stamped."""
     per_file = 256 + RECORD_BYTES
-    store = FileBackend(root, capacity=Capacity(max_bytes=10 * per_file)).open_store(NAMESPACE, DESCRIPTION,
+    store = FileBackend(root, capacity=Capacity(max_bytes=10 * per_file), layout="files").open_store(NAMESPACE, DESCRIPTION,
                                                                                       RECORD_BYTES)
     store.scan()
     real_write = store.disk.write_file
@@ -407,7 +407,7 @@ def test_restart_finds_records_again(root, store):
     for key, payload in payloads.items():
         store.put(key, payload)
 
-    again = FileBackend(root).open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
+    again = FileBackend(root, layout="files").open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
     assert again.usage() == {"records": 0, "bytes": 0}
     assert again.scan() == 6
     assert again.scan_complete.is_set()
@@ -421,7 +421,7 @@ def test_restart_finds_records_again(root, store):
 
 
 def test_contains_sees_another_instances_write_without_scan(root, store):
-    neighbour = FileBackend(root).open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
+    neighbour = FileBackend(root, layout="files").open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
     assert neighbour.contains("k") is False
     store.put("k", payload_for(1))
     assert neighbour.contains("k") is True
@@ -469,7 +469,7 @@ def test_a_new_namespace_directory_holds_its_description_and_temp_folder_only(ro
     (errno.EACCES, IOFailure, f"cannot prepare the namespace directory: {os.strerror(errno.EACCES)}"),
     (errno.ENOSPC, NoSpace, "no space left to prepare the namespace directory")])
 def test_a_namespace_directory_that_cannot_be_made_is_a_typed_error(root, monkeypatch, err, exc, message):
-    backend = FileBackend(root)
+    backend = FileBackend(root, layout="files")
     monkeypatch.setattr(backend.disk, "make_dirs", _raise(err))
     with pytest.raises(exc) as info:
         backend.open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
@@ -481,13 +481,13 @@ def test_reopening_keeps_namespace_json(root, store):
     path = os.path.join(root, NAMESPACE, "namespace.json")
     with open(path, "rb") as f:
         before = f.read()
-    FileBackend(root).open_store(NAMESPACE, {"something": "else"}, RECORD_BYTES)
+    FileBackend(root, layout="files").open_store(NAMESPACE, {"something": "else"}, RECORD_BYTES)
     with open(path, "rb") as f:
         assert f.read() == before
 
 
 def test_check_writable_creates_private_root(root):
-    backend = FileBackend(root)
+    backend = FileBackend(root, layout="files")
     backend.check_writable()
     assert backend.disk.direct is False  # direct I/O is off unless asked for, even where it works
     assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
@@ -504,13 +504,13 @@ def test_check_writable_fails_when_the_root_refuses_new_files(root, monkeypatch)
 
     monkeypatch.setattr(file_store.os, "open", refusing)
     with pytest.raises(PermissionError):
-        FileBackend(root).check_writable()
+        FileBackend(root, layout="files").check_writable()
 
 
 def test_direct_io_where_the_file_system_allows_it(root, caplog):
     if not Disk.probe_direct(os.path.dirname(root)):
         pytest.skip("this file system refuses O_DIRECT")
-    backend = FileBackend(root, direct_io="on")
+    backend = FileBackend(root, direct_io="on", layout="files")
     with caplog.at_level("INFO"):
         backend.check_writable()
     assert backend.disk.direct is True
@@ -535,13 +535,13 @@ def _no_direct_io(monkeypatch) -> None:
 def test_direct_io_on_is_refused_where_the_file_system_cannot(root, monkeypatch):
     _no_direct_io(monkeypatch)
     with pytest.raises(OSError) as info:
-        FileBackend(root, direct_io="on").check_writable()
+        FileBackend(root, direct_io="on", layout="files").check_writable()
     assert (info.value.errno, info.value.strerror) == (errno.EINVAL, "O_DIRECT is not supported here (--direct-io on)")
 
 
 def test_direct_io_auto_falls_back_to_buffered_io_where_the_file_system_cannot(root, monkeypatch, caplog):
     _no_direct_io(monkeypatch)
-    backend = FileBackend(root, direct_io="auto")
+    backend = FileBackend(root, direct_io="auto", layout="files")
     with caplog.at_level("INFO"):
         backend.check_writable()
     assert backend.disk.direct is False
@@ -594,7 +594,7 @@ def test_scan_keeps_a_live_neighbours_temp_file(store):
 
 def test_scan_parses_dotted_host_names(root, monkeypatch):
     monkeypatch.setattr(file_store.socket, "gethostname", lambda: "node-1.cluster.example.com")
-    store = FileBackend(root).open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
+    store = FileBackend(root, layout="files").open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
     n = record_name("k")
     dead = _touch(store, f"{n}.node-1.cluster.example.com.{DEAD_PID}.deadbeef.0123abcd.tmp")
     other = _touch(store, f"{n}.node-1.cluster.example.org.{DEAD_PID}.deadbeef.0123abcd.tmp")
@@ -753,7 +753,7 @@ def test_failed_overwrite_keeps_the_old_record(store, monkeypatch):
 
 
 def test_failed_fdatasync_leaves_no_temp_file(root, monkeypatch):
-    store = FileBackend(root, fsync="data").open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
+    store = FileBackend(root, fsync="data", layout="files").open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
     monkeypatch.setattr(file_store.os, "fdatasync", _raise(errno.EIO))
     with pytest.raises(IOFailure) as info:
         store.put("k", payload_for(1))
@@ -811,7 +811,7 @@ class RecordingDisk(Disk):
 
 def test_temp_file_is_named_for_its_writer_and_removed_on_failure(root, monkeypatch):
     disk = RecordingDisk()
-    backend = FileBackend(root, disk=disk)
+    backend = FileBackend(root, disk=disk, layout="files")
     store = backend.open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
     disk.tmp_seen.clear()  # namespace.json went through it too
 
@@ -843,7 +843,7 @@ def test_temp_file_is_named_for_its_writer_and_removed_on_failure(root, monkeypa
 
 def test_direct_io_mode_is_checked(root):
     with pytest.raises(ValueError) as info:
-        FileBackend(root, direct_io="maybe")
+        FileBackend(root, direct_io="maybe", layout="files")
     assert str(info.value) == "direct_io must be one of ('auto', 'on', 'off')"
 
 
@@ -856,7 +856,7 @@ def test_fsync_mode_is_checked():
 
 @pytest.mark.parametrize("fsync", ["data", "strict"])
 def test_fsync_modes_round_trip(root, fsync):
-    store = FileBackend(root, fsync=fsync).open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
+    store = FileBackend(root, fsync=fsync, layout="files").open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
     store.put("k", payload_for(1))
     out = out_buffer()
     assert store.get_into("k", out) is GetStatus.LOADED
@@ -905,7 +905,7 @@ class FileStoreModel(RuleBasedStateMachine):
         self.keys: list[str] = []
 
     def _open(self) -> FileStore:
-        backend = FileBackend(self.root, capacity=Capacity(max_bytes=MODEL_CAP_RECORDS * FILE_BYTES))
+        backend = FileBackend(self.root, capacity=Capacity(max_bytes=MODEL_CAP_RECORDS * FILE_BYTES), layout="files")
         store = backend.open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
         store.scan()
         return store

@@ -24,7 +24,7 @@ METADATA = ("namespace.json", "evict.lock")
 
 
 def make_store(root, layout: CacheLayout, n: int) -> FileStore:
-    store = FileBackend(str(root)).open_store(layout.fingerprint(), layout.to_wire(), layout.record_bytes)
+    store = FileBackend(str(root), layout="files").open_store(layout.fingerprint(), layout.to_wire(), layout.record_bytes)
     prefix = layout.model_id[2:]
     for i in range(n):
         store.put(f"{prefix}-{i}", memoryview(bytes([i]) * RECORD))

@@ -29,7 +29,7 @@ DAEMON_FILE = record.header_len_for(DAEMON_RECORD) + DAEMON_RECORD
 
 
 def make_store(root, n: int, layout: CacheLayout = LAYOUT):
-    store = FileBackend(str(root)).open_store(layout.fingerprint(), layout.to_wire(), layout.record_bytes)
+    store = FileBackend(str(root), layout="files").open_store(layout.fingerprint(), layout.to_wire(), layout.record_bytes)
     for i in range(n):
         store.put(f"cc-{i}", memoryview(bytes([i]) * layout.record_bytes))
     return store
