@@ -113,6 +113,8 @@ class Slab:
         #: Entries in this slab's journal file (owned: when to compact).
         self.entries = 0
         self.live = 0
+        #: Entries a compaction carried over beside the live puts (frees of others' slots).
+        self.carried = 0
 
     @property
     def owned(self) -> bool:
@@ -121,6 +123,7 @@ class Slab:
     def ensure(self, slots: int) -> None:
         if slots > len(self.names):
             self.names.extend([None] * (slots - len(self.names)))
+        if slots > len(self.gens):
             size = max(slots, 2 * len(self.gens))
             gens = np.zeros(size, dtype=np.uint32)
             gens[: len(self.gens)] = self.gens
@@ -152,6 +155,10 @@ class SlabStore(FileStore):
         self._reading: Counter[int] = Counter()
         self._deferred: set[int] = set()
         self._primary: Slab | None = None
+        #: Frees this daemon wrote (to its primary journal) for slots of others' slabs:
+        #: ``loc -> (gen, name)``. A compaction carries them over until the owner reuses the
+        #: slot, so an owner that reads them late (or restarts) still sees them.
+        self._foreign_frees: dict[int, tuple[int, str]] = {}
         self._dir_mtime = 0
         self._legacy_scan_done = False
         super().__init__(backend, namespace, description, record_bytes)
@@ -277,7 +284,9 @@ class SlabStore(FileStore):
         if not parts:
             return
         entries = np.concatenate(parts)
-        entries = entries[entries["op"] != journal.HEADER]
+        source = np.concatenate([np.full(len(e), slab.owned, dtype=bool) for slab, e in journals if len(e)])
+        body = entries["op"] != journal.HEADER
+        entries, from_owned = entries[body], source[body]
         ids, inverse = np.unique(entries["slab"], return_inverse=True)
         index_of = np.array([self._slab(bytes(sid)).index for sid in ids], dtype=np.uint64)
         keys = (index_of[inverse] << np.uint64(32)) | entries["slot"].astype(np.uint64)
@@ -294,6 +303,11 @@ class SlabStore(FileStore):
         rows = p_rows[final]
         live = final_op == journal.PUT
         live_keys, live_gen, live_rows = final_keys[live], final_gen[live], rows[live]
+        freed_here = (final_op == journal.FREE) & from_owned[rows]
+        freed_names = entries["name"][rows[freed_here]].tobytes().hex()
+        for i, (key, g) in enumerate(zip(final_keys[freed_here].tolist(), final_gen[freed_here].tolist())):
+            if not self._by_index[key >> 32].owned:
+                self._foreign_frees[key] = (g, freed_names[32 * i: 32 * i + 32])
         put_stamp = stamp[live_rows]
         live_stamp = put_stamp.copy()
         touching = op == journal.TOUCH
@@ -479,11 +493,16 @@ class SlabStore(FileStore):
             heapq.heappush(slab.free, slot)
 
     def _take_slot(self) -> tuple[Slab, int]:
+        refreshed = False
         while True:
             with self._lock:
                 for slab in self._by_index:
                     if slab.owned and slab.free:
                         return slab, heapq.heappop(slab.free)
+            if not refreshed and len(self._by_index) > 1:
+                refreshed = True  # the leader may have freed slots of ours: reuse before growing
+                self._refresh()
+                continue
             self._grow()
 
     def _grow(self) -> None:
@@ -524,6 +543,8 @@ class SlabStore(FileStore):
             target = slab if slab.owned else self._primary
             assert target is not None and target.journal_fd is not None
             by_journal.setdefault(target.index, []).append(entry.encode())
+            if target is not slab:
+                self._foreign_frees[key] = (int(slab.gens[slot]), name)
             slab.names[slot] = None
             if self._where.get(name) == key:
                 del self._where[name]
@@ -641,6 +662,17 @@ class SlabStore(FileStore):
         self._maybe_compact_all()
 
     # -- Store --------------------------------------------------------------------------------------
+
+    def put(self, key: str, payload: memoryview) -> int:
+        size = super().put(key, payload)
+        name = record_name(key)
+        with self._lock:
+            if name not in self._where:
+                # Freed by another daemon's journal between the write and the index learning of
+                # it (an eviction that fast): the index must not keep what the slots lost.
+                self.index.remove(name)
+                self._count("freed_while_written", 1)
+        return size
 
     def get_into(self, key: str, out: memoryview) -> GetStatus:
         if len(out) != self.record_bytes:
@@ -793,10 +825,10 @@ class SlabStore(FileStore):
                 self._maybe_compact(slab)
 
     def _maybe_compact(self, slab: Slab) -> None:
-        if slab.entries <= 2 * slab.live + COMPACT_SLACK:
+        if slab.entries <= 2 * slab.live + slab.carried + COMPACT_SLACK:
             return
         with self._lock:
-            if slab.entries <= 2 * slab.live + COMPACT_SLACK:
+            if slab.entries <= 2 * slab.live + slab.carried + COMPACT_SLACK:
                 return
             self._compact_locked(slab)
 
@@ -812,6 +844,15 @@ class SlabStore(FileStore):
             stamp = self.index.stamp(name) or 0
             encoded.append(journal.Entry(journal.PUT, slab.id, slot, int(slab.gens[slot]), stamp,
                                          bytes.fromhex(name)).encode())
+        carried = 0
+        if slab is self._primary:
+            for key, (gen, name) in list(self._foreign_frees.items()):
+                other, slot = self._by_index[key >> 32], key & 0xFFFFFFFF
+                if other.owned or int(other.gens[slot]) != gen or other.names[slot] is not None:
+                    del self._foreign_frees[key]  # the owner reused the slot: the free was read
+                    continue
+                encoded.append(journal.Entry(journal.FREE, other.id, slot, gen, 0, bytes.fromhex(name)).encode())
+                carried += 1
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o600)
         except OSError as exc:
@@ -830,7 +871,7 @@ class SlabStore(FileStore):
         old, slab.journal_fd = slab.journal_fd, fd
         if old is not None:
             os.close(old)
-        slab.entries = len(encoded)
+        slab.entries, slab.carried = len(encoded), carried
         self._count("journal_compactions", 1)
 
     def stats(self) -> dict[str, Any]:

@@ -146,6 +146,8 @@ def _config_error(ctx: click.Context, exc: ValueError, effective: dict[str, Any]
               help="Evict to keep at least this much free space on the storage file system (0 = none).")
 @click.option("--direct-io", type=click.Choice(["auto", "on", "off"]), default=_DEFAULTS.direct_io,
               help="O_DIRECT for record files: auto uses it where the file system supports it.")
+@click.option("--file-layout", type=click.Choice(["slab", "files"]), default=_DEFAULTS.file_layout,
+              help="slab: records in slots of preallocated files with journals; files: one file per record.")
 @click.option("--storage-rescan-interval-s", type=click.FloatRange(0), default=_DEFAULTS.storage_rescan_interval_s,
               help="How often the evicting daemon re-lists a shared directory (0 = only at start-up).")
 @click.option("--maintenance-interval-s", type=click.FloatRange(0.01), default=_DEFAULTS.maintenance_interval_s,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from .tiers import Locations
 
-from kvswap.backends.file_store import DIRECT_IO_MODES, FSYNC_MODES
+from kvswap.backends.file_store import DIRECT_IO_MODES, FILE_LAYOUTS, FSYNC_MODES
 from kvswap.protocol.limits import DEFAULT_TIMEOUT_MS
 from kvswap.common.units import PAGE_BYTES
 
@@ -88,6 +88,10 @@ class Config:
     #: ~0.46 GB/s buffered (dirty-page throttling), and O_DIRECT keeps swapped-out KV from
     #: evicting the page cache; hot records belong in the host tier instead.
     direct_io: str = "auto"
+    #: slab: records in fixed-size slots of preallocated files, found through journals (one
+    #: positioned I/O per record; the index is replayed in seconds at a million records);
+    #: files: one file per record (the layout before slabs). A slab store reads old files too.
+    file_layout: str = "slab"
     #: How often the evicting daemon re-lists the directory to count records other daemons
     #: wrote (0: only at start-up). Set it when several daemons share the directory.
     storage_rescan_interval_s: float = 0.0
@@ -210,6 +214,8 @@ class Config:
         for name in ("write_staging_bytes", "read_staging_bytes"):
             if getattr(self, name) < PAGE_BYTES:
                 raise ValueError(f"{name} must be at least {PAGE_BYTES}")
+        if self.file_layout not in FILE_LAYOUTS:
+            raise ValueError(f"file_layout must be one of {', '.join(FILE_LAYOUTS)}, got {self.file_layout!r}")
         if self.direct_io not in DIRECT_IO_MODES:
             raise ValueError(f"direct_io must be one of {', '.join(DIRECT_IO_MODES)}, got {self.direct_io!r}")
         if self.storage_max_bytes < 0 or self.storage_min_free_bytes < 0:
