@@ -36,7 +36,7 @@ import xxhash
 from kvswap.protocol.errors import Corrupt, KvswapError
 from kvswap.protocol.layout import CacheLayout
 
-from . import record
+from . import record, slab_tools
 from .disk import Disk, try_flock
 from .file_layout import LOCK_NAME, RECORD_SUFFIX, TMP_SUFFIX, record_name
 
@@ -48,6 +48,8 @@ Progress = Callable[[int], None]
 
 _HEX32: Final = re.compile(r"[0-9a-f]{32}")  # record names (xxh3-128 hex) and namespace fingerprints
 _SHARD: Final = re.compile(r"[0-9a-f]{2}")
+#: Files of the slab layout: <id>.slab, <id>.journal, <id>.lock, and a journal being compacted.
+_SLAB_FILE: Final = re.compile(r"[0-9a-f]{8}\.(slab|journal|lock|journal\.[0-9a-f]{8}\.tmp)")
 DESCRIPTION_NAME: Final = "namespace.json"
 #: A namespace directory's own files, which are not entries.
 METADATA: Final = frozenset({DESCRIPTION_NAME, LOCK_NAME})
@@ -57,7 +59,8 @@ ROOT_IGNORED: Final = frozenset({"lost+found"})
 
 @dataclass(frozen=True)
 class Entry:
-    #: "record", "misplaced", "temp" or "unknown" (see the module docstring).
+    #: "record", "misplaced", "temp", "slab" (a slab layout's file: its records are what the
+    #: journals name, :mod:`.slab_tools`) or "unknown" (see the module docstring).
     kind: str
     path: str
     #: Bytes (``lstat``); for a directory, the bytes of every file under it.
@@ -188,6 +191,18 @@ def walk_namespace(root: str, namespace: str) -> Iterator[Entry]:
                     yield Entry("temp", temp.path, st.st_size, st.st_mtime, True)
                 else:
                     yield _unknown(temp, st, "not a temp file")
+        elif is_dir and entry.name == slab_tools.SLAB_DIR:
+            inner = _listing(entry.path)
+            if isinstance(inner, str):
+                yield _unlistable(entry.path, inner)
+                continue
+            for item in inner:
+                if (st := _lstat(item)) is None:
+                    continue
+                if stat.S_ISREG(st.st_mode) and _SLAB_FILE.fullmatch(item.name):
+                    yield Entry("slab", item.path, st.st_blocks * 512, st.st_mtime, True)
+                else:
+                    yield _unknown(item, st, "not a slab file")
         elif is_dir and _SHARD.fullmatch(entry.name):
             level1 = _listing(entry.path)
             if isinstance(level1, str):
@@ -264,6 +279,8 @@ class NamespaceSummary:
     temp_files: int = 0
     misplaced: int = 0
     unknown: int = 0
+    #: Bytes the slab layout's files take on disk (slots, free ones included, and journals).
+    slab_bytes: int = 0
     ages: dict[str, int] = field(default_factory=lambda: {name: 0 for name, _ in AGE_BUCKETS})
 
 
@@ -284,10 +301,19 @@ def inspect(root: str, progress: Progress | None = None, now: float | None = Non
                 summary.ages[next(name for name, bound in AGE_BUCKETS if age < bound)] += 1
             elif entry.kind == "temp":
                 summary.temp_files += 1
+            elif entry.kind == "slab":
+                summary.slab_bytes += entry.size
             elif entry.kind == "misplaced":
                 summary.misplaced += 1
             else:
                 summary.unknown += 1
+            tick(1)
+        slots = slab_tools.slot_bytes_of(root, ns)
+        for rec in slab_tools.records(root, ns):
+            summary.records += 1
+            summary.bytes += slots.get(rec.slab_path, 0)
+            age = now - rec.stamp / 1e9
+            summary.ages[next(name for name, bound in AGE_BUCKETS if age < bound)] += 1
             tick(1)
         out.append(summary)
     return out
@@ -460,9 +486,10 @@ def verify(root: str, remove: bool = False, progress: Progress | None = None,
                     _remove(entry.path, report)
             elif entry.kind == "temp":
                 report.temp_files += 1
-            else:
+            elif entry.kind != "slab":
                 report.unknown.append((entry.path, entry.why))
             tick(1)
+        unchecked += _verify_slabs(root, ns, size, remove, report, tick, max_record_bytes)
         problems = list(size.problems)
         if size.over_limit:
             problems.append(f"records of {size.record_bytes} bytes, over --max-record-bytes ({max_record_bytes}): "
@@ -471,6 +498,38 @@ def verify(root: str, remove: bool = False, progress: Progress | None = None,
         meta = os.path.join(root, ns, DESCRIPTION_NAME)
         report.namespace_problems.extend((meta, p) for p in problems)
     return report
+
+
+def _verify_slabs(root: str, ns: str, size: RecordSize, remove: bool, report: VerifyReport, tick: Progress,
+                  max_record_bytes: int) -> int:
+    """Check every record the namespace's journals name; ``remove`` frees bad ones in slabs
+    no daemon owns (a daemon frees them when it reads them). Returns the records not read."""
+    recs = slab_tools.records(root, ns)
+    if size.over_limit:
+        tick(len(recs))
+        return len(recs)
+    bad = []
+    for rec in recs:
+        where = f"{rec.slab_path}#{rec.slot}"
+        report.checked += 1
+        try:
+            slab_tools.check(rec, ns, size.record_bytes, max_record_bytes, CHUNK_BYTES)
+            report.good += 1
+        except Corrupt as exc:
+            report.bad.append((where, exc.message))
+            bad.append(rec)
+        except OSError as exc:
+            report.bad.append((where, f"cannot be read: {exc.strerror or exc}"))
+        tick(1)
+    if remove and bad:
+        with slab_tools.SlabEditor(root, ns) as editor:
+            mine = [r for r in bad if editor.can_edit(r.slab_path)]
+            for r in bad:
+                if r not in mine:
+                    report.removal_failures.append((f"{r.slab_path}#{r.slot}", "its slab belongs to a running daemon, "
+                                                    "which removes the record when it reads it"))
+            report.removed += editor.free(mine)
+    return 0
 
 
 # -- gc ------------------------------------------------------------------------------------------
@@ -515,6 +574,7 @@ def gc(root: str, max_bytes: int, progress: Progress | None = None, dry_run: boo
     tick = progress or (lambda n: None)
     locks = []
     candidates: list[Entry] = []
+    slab_candidates: list[tuple[float, str, Any, int]] = []
     try:
         for entry in root_strays(root):
             report.before_bytes += entry.size
@@ -532,6 +592,9 @@ def gc(root: str, max_bytes: int, progress: Progress | None = None, dry_run: boo
                     candidates.append(entry)
                     tick(1)
                     continue
+                if entry.kind == "slab":
+                    tick(2)  # the slab layout's files: their records are candidates below
+                    continue
                 if entry.kind == "temp":
                     report.temp_files += 1
                     report.temp_bytes += entry.size
@@ -542,7 +605,12 @@ def gc(root: str, max_bytes: int, progress: Progress | None = None, dry_run: boo
                 elif not entry.regular:
                     report.skipped_files.append((entry.path, entry.size, "not a regular file where a record should be"))
                 tick(2)  # a record of a skipped namespace: counted, left to its daemon
+            if fd is not None:
+                slots = slab_tools.slot_bytes_of(root, ns)
+                slab_candidates.extend((rec.stamp / 1e9, ns, rec, slots.get(rec.slab_path, 0))
+                                       for rec in slab_tools.records(root, ns))
         total = report.before_bytes
+        total = _gc_slabs(root, slab_candidates, candidates, total, max_bytes, dry_run, report, tick)
         candidates.sort(key=lambda r: r.mtime)
         for rec in candidates:
             if total > max_bytes:
@@ -562,3 +630,36 @@ def gc(root: str, max_bytes: int, progress: Progress | None = None, dry_run: boo
         for fd in locks:
             os.close(fd)
     return report
+
+
+def _gc_slabs(root: str, slab_candidates: list[tuple[float, str, Any, int]], files: list[Entry], total: int,
+              max_bytes: int, dry_run: bool, report: GcReport, tick: Progress) -> int:
+    """Evict slab records older than the newest record file that would go, oldest first, in
+    slabs no daemon owns: a free entry each, their slots punched out. Returns what is left."""
+    if not slab_candidates:
+        return total
+    slab_candidates.sort(key=lambda c: c[0])
+    file_times = sorted(e.mtime for e in files)
+    chosen: dict[str, list[Any]] = {}
+    editors: dict[str, slab_tools.SlabEditor] = {}
+    try:
+        for when, ns, rec, slot in slab_candidates:
+            tick(1)
+            if total <= max_bytes:
+                continue
+            if file_times and file_times[0] < when:
+                continue  # an older record file goes first (the file loop below)
+            editor = editors.get(ns) or editors.setdefault(ns, slab_tools.SlabEditor(root, ns))
+            if not editor.can_edit(rec.slab_path):
+                continue
+            chosen.setdefault(ns, []).append(rec)
+            report.removed += 1
+            report.removed_bytes += slot
+            total -= slot
+        if not dry_run:
+            for ns, recs in chosen.items():
+                editors[ns].free(recs)
+    finally:
+        for editor in editors.values():
+            editor.__exit__()
+    return total
