@@ -125,6 +125,22 @@ class RecordIndex:
                 self._watcher.entered([name for name, _, _ in new])
             return self._order.merge_older((name, mtime) for name, _, mtime in new)
 
+    def load(self, names: Sequence[str], size: int, stamps: Sequence[int]) -> None:
+        """A start-up load of records all ``size`` bytes (the slab layout's journals), whole:
+        into an empty index, without merging name by name; otherwise :meth:`merge_scanned`."""
+        with self._lock:
+            if self._sizes or self._stuck:
+                empty = False
+            else:
+                empty = True
+                self._sizes = dict.fromkeys(names, size)
+                self._bytes = size * len(self._sizes)
+                self._order.merge_older(zip(names, stamps))
+                if self._watcher is not None and names:
+                    self._watcher.entered(names)
+        if not empty:
+            self.merge_scanned((name, size, stamp) for name, stamp in zip(names, stamps))
+
     def replace_all(self, found: Iterable[tuple[str, int, int]]) -> None:
         """Make the index exactly what a fresh directory listing says (records other writers
         added appear, records others removed go), keeping known recency where it exists.

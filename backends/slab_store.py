@@ -81,6 +81,7 @@ COMPACT_SLACK: Final = 4096
 LEGACY: Final = -1
 
 _SPACE_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT})
+_SLOT_MASK: Final = np.uint64(0xFFFFFFFF)
 
 
 def _loc(index: int, slot: int) -> int:
@@ -230,10 +231,13 @@ class SlabStore(FileStore):
         """Take over a slab whose owner is gone: cut a torn append off its journal, open it
         for writing."""
         fd = os.open(slab.journal_path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
-        data = self.disk.read_from(fd, 0)
-        _, _, consumed = journal.decode(data)
-        if consumed < len(data):
-            os.ftruncate(fd, consumed)
+        size = os.fstat(fd).st_size
+        # Only the end can be torn: look at the last entries, not the whole journal.
+        start = max(0, size // journal.ENTRY_BYTES - 64) * journal.ENTRY_BYTES
+        _, _, consumed = journal.decode(self.disk.read_from(fd, start))
+        end = start + consumed if consumed or not start else size - size % journal.ENTRY_BYTES
+        if end < size:
+            os.ftruncate(fd, end)
             self._count("journal_tail_cut", 1)
         slab.journal_fd = fd
         slab.fd, slab.direct_fd = self.disk.open_slab(slab.path, writable=True)
@@ -287,8 +291,9 @@ class SlabStore(FileStore):
         source = np.concatenate([np.full(len(e), slab.owned, dtype=bool) for slab, e in journals if len(e)])
         body = entries["op"] != journal.HEADER
         entries, from_owned = entries[body], source[body]
-        ids, inverse = np.unique(entries["slab"], return_inverse=True)
-        index_of = np.array([self._slab(bytes(sid)).index for sid in ids], dtype=np.uint64)
+        ids, inverse = np.unique(entries["slab"].view("<u4"), return_inverse=True)
+        index_of = np.array([self._slab(int(sid).to_bytes(4, "little")).index for sid in ids.tolist()],
+                            dtype=np.uint64)
         keys = (index_of[inverse] << np.uint64(32)) | entries["slot"].astype(np.uint64)
         op, gen, stamp = entries["op"], entries["gen"], entries["stamp"]
         placing = (op == journal.PUT) | (op == journal.FREE)
@@ -316,41 +321,64 @@ class SlabStore(FileStore):
             pos = np.minimum(np.searchsorted(live_keys, t_keys), len(live_keys) - 1)
             ok = (live_keys[pos] == t_keys) & (live_gen[pos] == t_gen)
             np.maximum.at(live_stamp, pos[ok], t_stamp[ok])
-        for key, g in zip(final_keys.tolist(), final_gen.tolist()):
-            slab = self._by_index[key >> 32]
-            slot = key & 0xFFFFFFFF
-            slab.ensure(slot + 1)
-            slab.gens[slot] = g
+        slab_of, slot_of = (final_keys >> np.uint64(32)).astype(np.int64), (final_keys & _SLOT_MASK).astype(np.int64)
+        live_slab, live_slot = slab_of[live], slot_of[live]
         hexes = entries["name"][live_rows].tobytes().hex()
-        found: list[tuple[str, int, int]] = []
+        names = [hexes[k: k + 32] for k in range(0, len(hexes), 32)]
+        name_objects = np.empty(len(names), dtype=object)
+        name_objects[:] = names
+        occupied: dict[int, np.ndarray] = {}
+        for index in np.unique(slab_of).tolist():
+            slab = self._by_index[index]
+            mine, here = slab_of == index, live_slab == index
+            size = max(int(slot_of[mine].max()) + 1, slab.nslots)
+            slab.ensure(size)
+            slab.gens[slot_of[mine]] = final_gen[mine]
+            slab.put_stamps[live_slot[here]] = put_stamp[here]
+            column = np.empty(len(slab.names), dtype=object)
+            column[live_slot[here]] = name_objects[here]
+            slab.names = column.tolist()
+            occupied[index] = np.zeros(len(slab.names), dtype=bool)
+            occupied[index][live_slot[here]] = True
+        keys_list = live_keys.tolist()
+        where = dict(zip(names, keys_list))
         losers: list[int] = []
-        where = self._where
-        for i, (key, st, pst) in enumerate(zip(live_keys.tolist(), live_stamp.tolist(), put_stamp.tolist())):
-            name = hexes[32 * i: 32 * i + 32]
-            slab = self._by_index[key >> 32]
-            slab.names[key & 0xFFFFFFFF] = name
-            slab.put_stamps[key & 0xFFFFFFFF] = pst
-            held = where.get(name)
-            if held is not None:
-                if self._first_wins(held, key):
-                    losers.append(key)
-                    continue
-                losers.append(held)
-            where[name] = key
-            found.append((name, self.slot_bytes, st))
+        stamps = live_stamp.tolist()
+        if len(where) == len(names):
+            self._where = where
+            found_names, found_stamps = names, stamps
+            counts = np.bincount(live_slab, minlength=len(self._by_index))
+        else:  # one record in two slots (two daemons stored one key): keep one, free the other
+            where = {}
+            found_names, found_stamps = [], []
+            for name, key, st in zip(names, keys_list, stamps):
+                held = where.get(name)
+                if held is not None:
+                    if self._first_wins(held, key):
+                        losers.append(key)
+                        continue
+                    losers.append(held)
+                where[name] = key
+            self._where = where
+            chosen = {name: st for name, key, st in zip(names, keys_list, stamps) if where[name] == key}
+            found_names, found_stamps = list(chosen), list(chosen.values())
+            counts = np.bincount((np.fromiter(where.values(), dtype=np.uint64, count=len(where))
+                                  >> np.uint64(32)).astype(np.int64), minlength=len(self._by_index))
+            for key in losers:  # not a live record here after all
+                occupied[key >> 32][key & 0xFFFFFFFF] = True
         for slab in self._by_index:
-            slab.entries = slab.live = 0
-        for key in where.values():
-            self._by_index[key >> 32].live += 1
-        for slab in self._by_index:
+            slab.live = int(counts[slab.index]) if slab.index < len(counts) else 0
+            slab.entries = 0
             if slab.owned:
                 slab.nslots = max(slab.nslots, len(slab.names))
                 slab.ensure(slab.nslots)
-                slab.free = [i for i in range(slab.nslots) if slab.names[i] is None]
-                heapq.heapify(slab.free)
+                taken = np.zeros(slab.nslots, dtype=bool)
+                if slab.index in occupied:
+                    taken[: len(occupied[slab.index])] = occupied[slab.index][: slab.nslots]
+                slab.free = np.flatnonzero(~taken).tolist()  # ascending: already a heap
         for slab, part in journals:
             slab.entries = len(part)
-        self.index.merge_scanned(found)
+        self.index.load(found_names, self.slot_bytes, found_stamps)
         with self._lock:
             self._free_locked([(self._by_index[k >> 32].names[k & 0xFFFFFFFF], k) for k in losers if
                                self._by_index[k >> 32].owned], count="duplicates_dropped")
@@ -404,6 +432,23 @@ class SlabStore(FileStore):
             return
         self._apply(self._read_journal(slab))
         self._open_reader(slab)
+        entries = self._read_journal(slab)
+        self._apply(entries)
+        # Rewrites this store did not see (two or more since it last read) took frees with
+        # them: the new file's puts are the slab's live records, so a record of this slab it
+        # does not name is gone.
+        newest: dict[int, tuple[int, int]] = {}
+        for e in entries.tolist():
+            op, sid, slot, gen = e[1], e[3], e[4], e[5]
+            if sid == slab.id and op in (journal.PUT, journal.FREE):
+                if slot not in newest or (gen, op) > newest[slot]:
+                    newest[slot] = (gen, op)
+        with self._lock:
+            for slot, name in enumerate(slab.names):
+                if name is not None and newest.get(slot, (0, journal.FREE))[1] != journal.PUT:
+                    slab.names[slot] = None
+                    self._forget(name, _loc(slab.index, slot))
+                    self._count("rewrite_dropped", 1)
 
     def _apply(self, entries: np.ndarray) -> None:
         with self._lock:

@@ -545,3 +545,10 @@ def test_three_stores_writing_evicting_and_reading_at_once_agree_with_the_disk(r
     assert {r.name for r in slab_journal.live_records(slab_dir(root))} == names[0]
     assert [s.usage()["records"] for s in stores] == [len(names[0])] * 3
     assert set(open_store(root)._where) == names[0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(min_size=56, max_size=56), min_size=1, max_size=20))
+def test_the_vectorised_checksum_is_the_entry_checksum(bodies: list[bytes]) -> None:
+    words = np.frombuffer(b"".join(bodies), dtype="<u8").reshape(-1, 7)
+    assert slab_journal._checksums(words).tolist() == [slab_journal.entry_checksum(b) for b in bodies]
