@@ -15,6 +15,10 @@ PRESETS: dict[str, tuple[str, dict]] = {
                    dtype="bfloat16")),
     "8b": ("Llama-3-8B class: 32 layers, 8 KV heads, head_dim 128, 64-token blocks, bf16 (8 MiB/block)",
            dict(model_id="llama-3-8b", num_layers=32, block_size=64, num_kv_heads=8, head_dim=128, dtype="bfloat16")),
+    "8b-16": ("Llama-3-8B class with vLLM's default 16-token blocks: 32 layers, 8 KV heads, head_dim 128, bf16 "
+              "(2 MiB/block)",
+              dict(model_id="llama-3-8b", num_layers=32, block_size=16, num_kv_heads=8, head_dim=128,
+                   dtype="bfloat16")),
     "tiny": ("A toy layout for smoke tests: 2 layers, 1 KV head, head_dim 64, 16-token blocks (8 KiB/block)",
              dict(model_id="tiny", num_layers=2, block_size=16, num_kv_heads=1, head_dim=64, dtype="bfloat16")),
 }
