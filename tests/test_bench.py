@@ -20,9 +20,13 @@ EXPECTED = {
     "swap_in warm (page cache)": "buffered warm read x4",
     "host layout conversion": "memcpy into slots",
     "host layout conversion vs bulk": "memcpy bulk",
+    "ping p99 under load vs echo floor": "echo ping p99",
+    "lookup 1000 keys p99 under load vs echo floor": "echo lookup 1000 keys p99",
 }
 UNBASED = ["swap_out copied latency p50", "swap_out copied latency p99", "ping p50 under load",
            "ping p99 under load", "lookup 1000 keys p50 under load", "lookup 1000 keys p99 under load",
+           "echo ping p50 under load", "echo ping p99 under load", "echo lookup 1000 keys p50 under load",
+           "echo lookup 1000 keys p99 under load",
            "blocks streamed meanwhile", "swap_out stream meanwhile", "daemon CPU while swapping", "daemon CPU idle",
            "swap_in hot, blocks read"]
 
@@ -60,6 +64,13 @@ def test_bench_quick_produces_every_field(tmp_path: Path) -> None:
     if data["host_tier"]:
         assert hot_blocks * data["record_bytes"] <= 2**20 or hot_blocks == data["batch"]
     assert results["ping p99 under load"]["samples"] == 30
+    # The echo floor was timed in the same window, as often as the daemon, and the ratio rows
+    # divide the daemon's p99 by it.
+    for name in ("ping", "lookup 1000 keys"):
+        assert results[f"echo {name} p99 under load"]["samples"] == 30
+        floor = results[f"{name} p99 under load vs echo floor"]
+        assert floor["value"] == results[f"{name} p99 under load"]["value"]
+        assert floor["baseline_value"] == results[f"echo {name} p99 under load"]["value"]
     assert any("ping p99 under load: only 30 samples" in w for w in data["warnings"])
     assert "CPUs" in data["machine"] and data["fsync"] == "none"
     # The conversion is the shared-memory mover's gather, and the report names its copy path.

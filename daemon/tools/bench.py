@@ -9,8 +9,10 @@ swap_in cold (a second daemon on the same directory
 with no host tier and O_DIRECT reads, so no cache can serve it; or, only with
 ``drop_caches``, buffered reads after dropping the machine's page cache); swap_in warm (a
 third daemon, buffered I/O, no host tier, reading each record a second time: the page cache);
-ping and 1,000-key lookup latency while a swap_out stream runs; host layout conversion vs
-memcpy; the daemon's CPU use while busy and while idle.
+ping and 1,000-key lookup latency while another process streams swap_outs, timed alternately
+with a bare pyzmq + msgpack echo server's answers to the same requests (the machine's floor,
+latency_floor.py), and the daemon's p99 over the floor's; host layout conversion vs memcpy;
+the daemon's CPU use while busy and while idle.
 
 "Host layout conversion" is the copy swap_out runs for a shared-memory cache, measured in this
 process: the segment registered as the daemon registers it, its ``SegmentMover`` gathering the
@@ -44,6 +46,7 @@ from ..deadline import CopyGuard, Deadline
 from ..registration import Registration
 from ..staging import aligned_empty
 from ..swapper import GATHER_CHUNK
+from .latency_floor import EchoServer, StreamProcess
 from .local_daemon import LocalDaemon
 from .presets import preset_layout
 
@@ -432,7 +435,7 @@ def run_bench(preset: str = "small", blocks: int = 512, batch: int = 32, storage
         with HostKVCache.create(layout) as cache:
             cache.fill_random(int.from_bytes(os.urandom(4), "little"))
             with LocalDaemon(storage_dir, args) as daemon, Client(daemon.endpoint, timeout=120) as c:
-                c.register(cache)
+                token = c.register(cache)["token"]
                 stats = c.stats()
                 direct = bool(stats["tiers"]["file"].get("direct_io"))
                 host_tier = "host" in stats["tiers"]
@@ -493,16 +496,21 @@ def run_bench(preset: str = "small", blocks: int = 512, batch: int = 32, storage
                            record * sum(map(len, hot)) / hot_s / 1e9, "GB/s", "memcpy", copy_gbps)
                 report.add("swap_in hot, blocks read", sum(map(len, hot)), "blocks")
 
-                say("ping and lookup latency under a swap_out stream")
-                pings, lookups, streamed, stream_s = _latency_under_stream(daemon.endpoint, c, keys_a, batches, tag,
-                                                                           latency_samples)
-                for name, samples in (("ping", pings), ("lookup 1000 keys", lookups)):
-                    p50, p99 = _quantiles(samples)
+                say("ping and lookup latency under a swap_out stream, beside the echo floor")
+                under = _latency_under_stream(daemon.endpoint, c, token, keys_a, batches, tag, latency_samples)
+                quantiles = {}
+                for name, samples in (("ping", under.pings), ("lookup 1000 keys", under.lookups),
+                                      ("echo ping", under.echo_pings), ("echo lookup 1000 keys", under.echo_lookups)):
+                    p50, p99 = quantiles[name] = _quantiles(samples)
                     report.add(f"{name} p50 under load", p50 * 1e3, "ms", samples=len(samples))
                     report.add(f"{name} p99 under load", p99 * 1e3, "ms", samples=len(samples))
-                report.add("blocks streamed meanwhile", streamed, "blocks")
+                # The daemon's p99 over the echo floor's, from the same window (the ratio column).
+                for name in ("ping", "lookup 1000 keys"):
+                    report.add(f"{name} p99 under load vs echo floor", quantiles[name][1] * 1e3, "ms",
+                               f"echo {name} p99", quantiles[f"echo {name}"][1] * 1e3)
+                report.add("blocks streamed meanwhile", under.streamed, "blocks")
                 # A rate, so runs whose latency phase lasted longer or shorter compare.
-                report.add("swap_out stream meanwhile", streamed * record / stream_s / 1e9, "GB/s")
+                report.add("swap_out stream meanwhile", under.streamed * record / under.seconds / 1e9, "GB/s")
 
                 say(f"idle CPU over {idle_s:.0f} s")
                 report.add("daemon CPU while swapping", busy_cpu * 100, "% core")
@@ -594,8 +602,9 @@ def _fill_ram_tier(c: Client, stats: dict[str, Any], batches: list[list[int]], r
 
 class SwapOutStream:
     """A client on its own thread that keeps swap_outs (answered "copied") going over
-    ``batches`` until stopped: the load the latency measurements run under. A busy daemon is
-    retried after a short pause. ``blocks`` counts the blocks it got accepted."""
+    ``batches`` until stopped. A busy daemon is retried after a short pause. ``blocks`` counts
+    the blocks it got accepted. (benchmarks/loop_latency.py's load; ``kvswap bench`` streams
+    from another process instead, :class:`.latency_floor.StreamProcess`.)"""
 
     def __init__(self, endpoint: str, batches: list[list[int]], prefix: str) -> None:
         self.endpoint, self.batches, self.prefix = endpoint, batches, prefix
@@ -624,25 +633,50 @@ class SwapOutStream:
                 n += 1
 
 
-def _latency_under_stream(endpoint: str, c: Client, keys: list[str], batches: list[list[int]], tag: str,
-                          samples: int) -> tuple[list[float], list[float], int, float]:
-    stream = SwapOutStream(endpoint, batches, f"s{tag}").start()
-    t0 = time.perf_counter()
-    try:
-        lookup_keys = (keys * (1000 // len(keys) + 1))[:1000]
-        pings, lookups = [], []
-        for _ in range(samples):
-            t = time.perf_counter()
-            c.ping()
-            pings.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            c.lookup(lookup_keys)
-            lookups.append(time.perf_counter() - t)
-    finally:
-        elapsed = time.perf_counter() - t0
-        stream.stop()
+def _latency_under_stream(endpoint: str, c: Client, token: str, keys: list[str], batches: list[list[int]],
+                          tag: str, samples: int) -> "StreamLatency":
+    """ping and 1,000-key lookup latency of the daemon while another process streams swap_outs
+    at it, and of the echo floor (latency_floor.py) answering the same requests from the same
+    client, timed alternately in the same window: for each sample, one daemon ping, one echo
+    ping, one daemon lookup, one echo lookup, which of the two goes first alternating, so a
+    stall of the machine falls on both alike."""
+    lookup_keys = (keys * (1000 // len(keys) + 1))[:1000]
+    out = StreamLatency()
+    with EchoServer() as echo, Client(echo.endpoint, timeout=60) as e:
+        e.wait_ready(30)
+        stream = StreamProcess(endpoint, len(keys), len(batches[0]), f"s{tag}", token).start()
+        t0 = time.perf_counter()
+        try:
+            for n in range(samples):
+                pair = ((c, out.pings, out.lookups), (e, out.echo_pings, out.echo_lookups))
+                for client, pings, _ in pair[:: 1 if n % 2 == 0 else -1]:
+                    t = time.perf_counter()
+                    client.ping()
+                    pings.append(time.perf_counter() - t)
+                for client, _, lookups in pair[:: -1 if n % 2 == 0 else 1]:
+                    t = time.perf_counter()
+                    hits = client.lookup(lookup_keys)
+                    lookups.append(time.perf_counter() - t)
+                    if hits != len(lookup_keys):
+                        raise RuntimeError(f"lookup found {hits} of {len(lookup_keys)} stored keys")
+        finally:
+            out.seconds = time.perf_counter() - t0
+            stream.stop()
+    out.streamed = stream.blocks
     c.flush()
-    return pings, lookups, stream.blocks, elapsed
+    return out
+
+
+@dataclass
+class StreamLatency:
+    """Seconds per request, daemon and echo floor, from one window under one stream."""
+
+    pings: list[float] = field(default_factory=list)
+    lookups: list[float] = field(default_factory=list)
+    echo_pings: list[float] = field(default_factory=list)
+    echo_lookups: list[float] = field(default_factory=list)
+    streamed: int = 0
+    seconds: float = 0.0
 
 
 #: Rows the block-size sweep plots: (result name or baseline key, style, legend label).
