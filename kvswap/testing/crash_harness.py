@@ -7,16 +7,21 @@ benchmarks/crash_loop.py (as many as you like).
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import xxhash
 
 from kvswap.backends import record
+from kvswap.backends.file_layout import RECORD_SUFFIX
+from kvswap.backends.slab_journal import live_records
+from kvswap.backends.slab_store import SLAB_DIR
 from kvswap.protocol import CacheLayout, Client, Corrupt, HostKVCache, KvswapError
 
 from .daemon_process import DaemonProcess, free_port
@@ -46,9 +51,10 @@ class CrashReport:
     acknowledged: int = 0
     found_after_restart: int = 0
     verified: int = 0
-    #: Record files on disk after the last stop, each read back and checked by the test itself.
+    #: Records on disk after the last stop (record files, or slab slots the journals name),
+    #: each read back and checked by the test itself.
     files_on_disk: int = 0
-    #: Files that fail their own check (torn or wrong bytes), or whose key the daemon did not
+    #: Records that fail their own check (torn or wrong bytes), or whose key the daemon did not
     #: serve: each one breaks "a restart serves every fully written record and never a torn one".
     bad_files: list[str] = field(default_factory=list)
     wrong: list[str] = field(default_factory=list)
@@ -150,20 +156,33 @@ def crash_loop(storage_dir: Path, cycles: int, seed: int = 0, extra_args: tuple[
 
 
 def check_files(storage_dir: Path, served: set[str], report: CrashReport) -> None:
-    """Read every record file the daemon left, with the record format alone (no daemon, no
-    index): each must pass its header and checksum, hold exactly ``content_for(key)``, and be
-    a key the daemon served after the last restart."""
-    for path in sorted(storage_dir.rglob("*.kvr")):
+    """Read every record the daemon left (record files, and slab slots the journals name), with
+    the record format alone (no daemon, no index): each must pass its header and checksum,
+    hold exactly ``content_for(key)``, and be a key the daemon served after the last restart."""
+    for where, data in _records_on_disk(storage_dir):
         report.files_on_disk += 1
-        data = path.read_bytes()
         try:
             header = record.decode_header(data)
             payload = data[header.header_len:]
             record.verify(header, header.namespace, header.key, payload)
         except Corrupt as exc:
-            report.bad_files.append(f"{path.name}: {exc.message}")
+            report.bad_files.append(f"{where}: {exc.message}")
             continue
         if payload != content_for(header.key, LAYOUT.record_bytes):
-            report.bad_files.append(f"{path.name}: holds other bytes than {header.key}'s")
+            report.bad_files.append(f"{where}: holds other bytes than {header.key}'s")
         elif header.key not in served:
-            report.bad_files.append(f"{path.name}: {header.key} is on disk but was not served")
+            report.bad_files.append(f"{where}: {header.key} is on disk but was not served")
+
+
+def _records_on_disk(storage_dir: Path) -> Iterator[tuple[str, bytes]]:
+    """``(where, bytes)`` of every record under ``storage_dir``: each record file of the
+    one-file-per-record layout, and each slot the slab layout's journals name, replayed from the
+    files as a restart would (a slot written without its journal entry is not a record)."""
+    for path in sorted(storage_dir.rglob("*" + RECORD_SUFFIX)):
+        yield path.name, path.read_bytes()
+    for slab_dir in sorted(storage_dir.rglob(SLAB_DIR)):
+        for rec in live_records(str(slab_dir)):
+            with open(rec.slab_path, "rb") as f:
+                f.seek(rec.offset)
+                data = f.read(record.header_len_for(LAYOUT.record_bytes) + LAYOUT.record_bytes)
+            yield f"{os.path.basename(rec.slab_path)}#{rec.slot}", data
