@@ -22,6 +22,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvswap.daemon.tools.keygen import write_keypair
 from kvswap.protocol import AsyncClient, CacheLayout, Client, HostKVCache
 
+from disk_records import LAYOUTS, records_on_disk
 from support import DaemonProcess, free_port, wait_until
 
 
@@ -251,11 +252,13 @@ def test_non_loopback_bind_warns_unless_curve_is_on(tmp_path: Path, keys: dict[s
 # -- what the daemon writes is private ----------------------------------------------------------------
 
 
-def test_daemon_writes_0600_files_and_0700_directories_under_an_open_umask(tmp_path: Path) -> None:
+@pytest.mark.parametrize("file_layout", LAYOUTS)
+def test_daemon_writes_0600_files_and_0700_directories_under_an_open_umask(tmp_path: Path, file_layout: str) -> None:
     """The store tests check modes in-process; this checks the real daemon, started with a
-    umask that would leave everything world-readable if the code relied on it."""
+    umask that would leave everything world-readable if the code relied on it. In the slab
+    layout the files are the slabs, their journals and locks."""
     store = tmp_path / "store"
-    d = DaemonProcess(store, free_port(), free_port())
+    d = DaemonProcess(store, free_port(), free_port(), extra_args=["--file-layout", file_layout])
     old = os.umask(0)
     try:
         d.start()
@@ -273,6 +276,7 @@ def test_daemon_writes_0600_files_and_0700_directories_under_an_open_umask(tmp_p
     for here, subdirs, names in os.walk(store):
         dirs += [Path(here) / s for s in subdirs]
         files += [Path(here) / n for n in names]
-    assert len([f for f in files if f.suffix == ".kvr"]) == 3
+    assert len(records_on_disk(store)) == 3
+    assert {f.suffix for f in files} >= ({".kvr"} if file_layout == "files" else {".slab", ".journal", ".lock"})
     assert {str(p): oct(mode(p)) for p in dirs if mode(p) != 0o700} == {}
     assert {str(p): oct(mode(p)) for p in files if mode(p) != 0o600} == {}

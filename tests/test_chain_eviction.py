@@ -6,7 +6,6 @@ the RAM tier's records in the host arena (kvswap.backends.ram_tier)."""
 from __future__ import annotations
 
 import heapq
-import os
 import random
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from kvswap.backends.chains import ChainOrder
 from kvswap.backends.file_store import Capacity, FileBackend
 from kvswap.backends.ram_tier import RamBackend
 from kvswap.protocol import CacheLayout, Client, HostKVCache, NoSpace
+from disk_records import records_on_disk
 from support import DaemonProcess, free_port
 
 
@@ -394,18 +394,16 @@ def _fill_under_pressure(c: Client, rng: random.Random, long_step: int | None = 
     return chains + [long]
 
 
-def _record_files(root: Path) -> int:
-    return sum(1 for _, _, names in os.walk(root) for n in names if n.endswith(".kvr"))
-
-
-@pytest.mark.parametrize("tier", ["file", "host"])
+@pytest.mark.parametrize("tier", ["file", "file-files", "host"])
 def test_every_stored_record_is_reachable_by_a_lookup_of_its_chain(tmp_path, big_cache, tier):
+    file_layout = "files" if tier == "file-files" else "slab"
+    tier = tier.partition("-")[0]
     if tier == "file":
         # The daemon's default write threads: a record one thread stores after another
         # thread refused its predecessor must not stay behind, unreachable.
-        record_size = 256 + RECORD_BYTES  # small records carry a 256-byte header on disk
+        record_size = 256 + RECORD_BYTES  # small records carry a 256-byte header on disk (a slab slot: the same)
         args = ["--storage-max-bytes", str(CAP_RECORDS * record_size),
-                "--host-tier-bytes", "0"]
+                "--host-tier-bytes", "0", "--file-layout", file_layout]
     else:
         # The host pool holds the RAM tier's records in its staging slots too: the cap is the
         # whole pool, 10 write + 1 read + 1 RAM-tier slot of 4 KiB (the largest request here
@@ -423,7 +421,9 @@ def test_every_stored_record_is_reachable_by_a_lookup_of_its_chain(tmp_path, big
             stats = c.stats()["tiers"][tier]
             if tier == "host":
                 assert stats["pool_slots"] == CAP_RECORDS
-            stored = _record_files(tmp_path / "store") if tier == "file" else stats["records"]
+            elif file_layout == "slab":
+                assert stats["slot_bytes"] == record_size  # the cap holds CAP_RECORDS slots
+            stored = len(records_on_disk(tmp_path / "store")) if tier == "file" else stats["records"]
             hits = [c.lookup(chain) for chain in chains]
             assert 0 < stored <= CAP_RECORDS
             assert sum(hits) == stored, f"{stored} records stored, {sum(hits)} reachable: {hits}; {stats}"

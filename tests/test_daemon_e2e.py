@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import zmq
 
-from kvswap.backends.file_store import record_name
 from kvswap.protocol import (
     AsyncClient,
     CacheLayout,
@@ -31,16 +30,12 @@ from kvswap.protocol import (
 from kvswap.protocol import messages as m
 from kvswap.protocol.limits import MAX_KEYS_PER_REQUEST
 
+from disk_records import LAYOUTS, find_record, record_of
 from support import DaemonProcess, free_port, shm_exists, wait_until
 
 
 def keys_for(prefix: str, n: int) -> list[str]:
     return [f"{prefix}-{i:04d}" for i in range(n)]
-
-
-def record_path(storage_dir: Path, namespace: str, key: str) -> Path:
-    name = record_name(key)
-    return storage_dir / namespace / name[:2] / name[2:4] / f"{name}.kvr"
 
 
 def test_round_trip_into_other_blocks_is_byte_exact(client: Client, cache: HostKVCache) -> None:
@@ -195,10 +190,11 @@ def test_typed_errors_through_the_client(client: Client, cache: HostKVCache, dae
     assert daemon.metric("kvswap_errors_total", op="swap_out", code="out_of_range") == 1
 
 
-@pytest.fixture
-def file_only(storage_dir: Path) -> Iterator[Client]:
-    """A daemon without RAM tier: what swap_in loads comes from the record files."""
-    d = DaemonProcess(storage_dir, free_port(), free_port(), extra_args=["--host-tier-bytes", "0"]).start()
+@pytest.fixture(params=LAYOUTS)
+def file_only(storage_dir: Path, request: pytest.FixtureRequest) -> Iterator[Client]:
+    """A daemon without RAM tier, in each file layout: what swap_in loads comes from disk."""
+    d = DaemonProcess(storage_dir, free_port(), free_port(),
+                      extra_args=["--host-tier-bytes", "0", "--file-layout", request.param]).start()
     with Client(d.endpoint, timeout=10) as c:
         yield c
     assert d.stop() == 0, d.log()
@@ -209,17 +205,16 @@ def test_flipped_byte_is_reported_corrupt_and_never_loaded(file_only: Client, ca
     client = file_only
     info = client.register(cache)
     client.swap_out([0, 1], ["good", "bad"], wait="persisted")
-    path = record_path(storage_dir, info["namespace"], "bad")
-    data = bytearray(path.read_bytes())
-    data[-100] ^= 0x01
-    path.write_bytes(bytes(data))
+    namespace_dir = storage_dir / info["namespace"]
+    record_of(namespace_dir, "bad").flip(-100, 0x01)
 
     cache.zero_blocks([20, 21])
     result = client.swap_in(["good", "bad"], [20, 21])
     assert result.status == ["loaded", "corrupt"]
     assert result.loaded == 1
     assert cache.block_record(21) == bytes(cache.layout.record_bytes)  # untouched: still zeros
-    assert not path.exists()  # removed, so the next lookup is an honest miss
+    # Removed (its file, or its slot freed in the journal), so the next lookup is an honest miss.
+    assert find_record(namespace_dir, "bad") is None and find_record(namespace_dir, "good") is not None
     assert client.lookup(["good", "bad"]) == 1
 
 
