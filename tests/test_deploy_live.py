@@ -19,9 +19,9 @@ import yaml
 import zmq
 
 from kvswap import __version__
-from kvswap.backends.file_store import record_name
 from kvswap.protocol import CacheLayout, Client, HostKVCache, InvalidKey, NotRegistered
 
+from disk_records import record_of
 from promql import references
 from support import INSTALLED_BY_TEST_SETUP, DaemonProcess, free_port, wait_until
 from test_deploy_files import PROM, as_plain_promql, dashboard_exprs
@@ -70,7 +70,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProce
     """A daemon that has seen every kind of traffic the dashboard charts: stores, loads,
     lookups, a corrupt record, error replies."""
     root = tmp_path_factory.mktemp("live")
-    # No RAM tier: the corrupt record below must be loaded from its file.
+    # No RAM tier: the corrupt record below must be loaded from disk.
     daemon = DaemonProcess(root / "store", free_port(), free_port(), extra_args=["--host-tier-bytes", "0"]).start()
     layout = CacheLayout("dash-model", num_layers=2, num_blocks=16, block_size=4, num_kv_heads=1, head_dim=8)
     keys = [f"d{i}" for i in range(N_BLOCKS)]
@@ -84,10 +84,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProce
             assert c.lookup([*keys, "absent"]) == N_BLOCKS
             assert c.swap_in(keys[:2], [8, 9]).loaded == 2
             # Corrupt the last record in place: the next load finds it bad, removes and counts it.
-            [path] = list((root / "store").rglob(f"{record_name(keys[-1])}.kvr"))
-            raw = bytearray(path.read_bytes())
-            raw[len(raw) // 2] ^= 0xFF
-            path.write_bytes(bytes(raw))
+            corrupt = record_of(root / "store", keys[-1])
+            corrupt.flip(corrupt.length // 2)
             assert c.swap_in(keys[-1:], [10]).status == ["corrupt"]
             with pytest.raises(InvalidKey):
                 c.lookup(["bad key with spaces"])  # refused by the client: never sent
