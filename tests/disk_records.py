@@ -40,6 +40,9 @@ class DiskRecord:
     #: What it takes against the cap: its file's size, or its slot's.
     footprint: int
     name: str
+    #: Its recency stamp as a restart reads it: its file's mtime, or its put's stamp raised by
+    #: the touches of that put's generation.
+    stamp: int
 
     def read(self) -> bytes:
         with open(self.path, "rb") as f:
@@ -61,21 +64,37 @@ class DiskRecord:
         self.write(start, bytes([self.read()[start] ^ mask]))
 
 
-def _slab_geometry(slab_dir: str) -> dict[str, tuple[int, int]]:
-    """``slab path -> (slot bytes, record bytes)``, from each journal's header entry."""
-    out: dict[str, tuple[int, int]] = {}
+@dataclass
+class _Journals:
+    """What the records' places do not say, from every journal of a slab directory: each
+    slab's geometry, and the stamps touches gave each slot's generations."""
+
+    #: slab path -> (slot bytes, record bytes), from its journal's header entry.
+    geometry: dict[str, tuple[int, int]]
+    #: (slab path, slot) -> the newest generation a put gave it.
+    put_gen: dict[tuple[str, int], int]
+    #: (slab path, slot, generation) -> the newest stamp a touch gave it.
+    touched: dict[tuple[str, int, int], int]
+
+
+def _read_journals(slab_dir: str) -> _Journals:
+    out = _Journals({}, {}, {})
     for name in os.listdir(slab_dir):
         if not name.endswith(".journal"):
             continue
         try:
             with open(os.path.join(slab_dir, name), "rb") as f:
-                head = f.read(slab_journal.ENTRY_BYTES)
+                entries, _, _ = slab_journal.decode(f.read())
         except FileNotFoundError:
             continue
-        entries, _, _ = slab_journal.decode(head)
         for e in slab_journal.iter_entries(entries):
+            path = os.path.join(slab_dir, e.slab.hex() + ".slab")
             if e.op == slab_journal.HEADER:
-                out[os.path.join(slab_dir, e.slab.hex() + ".slab")] = (e.slot, e.stamp)
+                out.geometry[path] = (e.slot, e.stamp)
+            elif e.op == slab_journal.PUT:
+                out.put_gen[(path, e.slot)] = max(e.gen, out.put_gen.get((path, e.slot), 0))
+            elif e.op == slab_journal.TOUCH:
+                out.touched[(path, e.slot, e.gen)] = max(e.stamp, out.touched.get((path, e.slot, e.gen), 0))
     return out
 
 
@@ -85,20 +104,22 @@ def records_on_disk(root: Path | str) -> list[DiskRecord]:
     for here, _, names in os.walk(root):
         if os.path.basename(here) == SLAB_DIR:
             live = slab_journal.live_records(here)
-            geometry = _slab_geometry(here)  # read after: it has every journal live_records read
+            journals = _read_journals(here)  # read after: it has every journal live_records read
             for rec in live:
-                slot_bytes, record_bytes = geometry[rec.slab_path]
-                found.append(DiskRecord(Path(rec.slab_path), rec.offset,
-                                        record.header_len_for(record_bytes) + record_bytes, slot_bytes, rec.name))
+                slot_bytes, record_bytes = journals.geometry[rec.slab_path]
+                gen = journals.put_gen[(rec.slab_path, rec.slot)]
+                stamp = max(rec.stamp, journals.touched.get((rec.slab_path, rec.slot, gen), 0))
+                found.append(DiskRecord(Path(rec.slab_path), rec.offset, record.header_len_for(record_bytes) + record_bytes,
+                                        slot_bytes, rec.name, stamp))
             continue
         for name in names:
             if name.endswith(RECORD_SUFFIX):
                 path = Path(here) / name
                 try:
-                    size = path.stat().st_size
+                    st = path.stat()
                 except FileNotFoundError:  # evicted since the walk listed it
                     continue
-                found.append(DiskRecord(path, 0, size, size, name[: -len(RECORD_SUFFIX)]))
+                found.append(DiskRecord(path, 0, st.st_size, st.st_size, name[: -len(RECORD_SUFFIX)], st.st_mtime_ns))
     return found
 
 

@@ -7,6 +7,7 @@ into."""
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ from kvswap.backends.host_arena import ArenaWindow, HostArena
 from kvswap.backends.ram_tier import RamBackend, RamTier
 from kvswap.protocol import Client, HostKVCache
 from kvswap.protocol.errors import NoSpace
+from disk_records import LAYOUTS, GatedRecordWrites, records_on_disk
 from support import DaemonProcess, free_port
 
 NS = "00" * 16
@@ -321,12 +323,15 @@ def test_concurrent_writers_readers_and_deleters_keep_the_pool_consistent() -> N
                 assert store is stores[n % 2] and bytes(out) == bytes(record_bytes(n))
 
 
-def test_daemon_serves_a_ram_hit_from_the_pool_without_the_file(tmp_path: Path, cache: HostKVCache) -> None:
-    """With the RAM tier on by default, a record whose file is gone is still served, from
-    the slot swap_out gathered into; with --host-tier-bytes 0 the same swap_in misses."""
+@pytest.mark.parametrize("file_layout", LAYOUTS)
+def test_daemon_serves_a_ram_hit_from_the_pool_without_the_file(tmp_path: Path, cache: HostKVCache,
+                                                               file_layout: str) -> None:
+    """With the RAM tier on by default, a record whose file is gone (in the slab layout: whose
+    slot's bytes are gone) is still served, from the slot swap_out gathered into; with
+    --host-tier-bytes 0 the same swap_in finds nothing to load (a miss; a corrupt slot)."""
     for ram in (True, False):
         store = tmp_path / f"store-{ram}"
-        args = [] if ram else ["--host-tier-bytes", "0"]
+        args = ["--file-layout", file_layout] + ([] if ram else ["--host-tier-bytes", "0"])
         daemon = DaemonProcess(store, free_port(), free_port(), extra_args=args).start()
         try:
             with Client(daemon.endpoint, timeout=10) as c:
@@ -334,8 +339,13 @@ def test_daemon_serves_a_ram_hit_from_the_pool_without_the_file(tmp_path: Path, 
                 expected = [cache.block_record(i) for i in range(4)]
                 keys = [f"r{i}" for i in range(4)]
                 assert c.swap_out([0, 1, 2, 3], keys, wait="persisted").stored == 4
-                for f in store.rglob("*.kvr"):
-                    f.unlink()
+                on_disk = records_on_disk(store)
+                assert len(on_disk) == 4
+                for rec in on_disk:
+                    if file_layout == "files":
+                        rec.path.unlink()
+                    else:  # a slot is not a file of its own: its bytes go instead
+                        rec.write(0, bytes(rec.length))
                 cache.fill_random(seed=99)
                 result = c.swap_in(keys, [4, 5, 6, 7])
                 stats = c.stats()
@@ -346,6 +356,7 @@ def test_daemon_serves_a_ram_hit_from_the_pool_without_the_file(tmp_path: Path, 
                     assert daemon.metric("kvswap_tier_ops_total", tier="host", op="get", result="hit") == 4
                 else:
                     assert result.loaded == 0 and "host" not in stats["tiers"]
+                    assert result.status[0] == ("miss" if file_layout == "files" else "corrupt"), result.status
                 cache.fill_random(seed=1)
         finally:
             assert daemon.stop() == 0, daemon.log()
@@ -416,32 +427,41 @@ def test_a_swap_in_asks_each_tier_once_per_key_and_counts_it_once(tmp_path: Path
         assert _sample(d, "kvswap_tier_ops_total", tier="file", op="get", result="hit") == 2
 
 
-def test_a_swap_in_re_stamps_files_only_through_the_last_record_read_from_disk(tmp_path: Path,
-                                                                               cache: HostKVCache) -> None:
-    """Issue 23: the chain touch after a swap_in re-stamps the files of its hit prefix only up to
-    the last record read from the file tier; a record served from RAM after that costs no
-    ``utime`` (Disk.touch), a swap_in served from RAM none at all. On disk each chain's tail
-    stays older than its head."""
-    import os
-
+@pytest.mark.parametrize("file_layout", LAYOUTS)
+def test_a_swap_in_re_stamps_files_only_through_the_last_record_read_from_disk(tmp_path: Path, cache: HostKVCache,
+                                                                               file_layout: str) -> None:
+    """Issue 23: the chain touch after a swap_in re-stamps the records of its hit prefix on disk
+    only up to the last record read from the file tier; a record served from RAM after that
+    costs no disk write (a ``utime``, Disk.touch, in the files layout; a touch entry appended to
+    a journal, Disk.append, in the slab layout), a swap_in served from RAM none at all. On disk
+    (the files' mtimes; the stamps the journals keep) each chain's tail stays older than its
+    head."""
+    from kvswap.backends import slab_journal
+    from kvswap.backends.file_layout import RECORD_SUFFIX, record_name
     from support import InProcessDaemon
 
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=1 << 20) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", host_tier_bytes=1 << 20, file_layout=file_layout) as d, \
+            Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         keys = ["t0", "t1", "t2", "t3"]
         expected = [cache.block_record(i) for i in range(4)]
         assert c.swap_out([0, 1, 2, 3], keys, wait="persisted").stored == 4
         tiers = d.daemon.swapper.registration.tiers
-        host, file = tiers.stores["host"], tiers.stores["file"]
-        paths = [file.path_of(k)[1] for k in keys]
+        host = tiers.stores["host"]
+        names = [record_name(k) for k in keys]
         disk = d.daemon.file_backend.disk
-        touched: list[str] = []
-        real_touch, real_hit = disk.touch, tiers.touch_hit
+        touched: list[str] = []  # the records re-stamped on disk, by name, in order
+        real_touch, real_append, real_hit = disk.touch, disk.append, tiers.touch_hit
         done = threading.Semaphore(0)
 
         def touch(path, mtime_ns=None):
-            touched.append(path)
+            touched.append(os.path.basename(path).removesuffix(RECORD_SUFFIX))
             return real_touch(path, mtime_ns)
+
+        def append(fd, data, durable):
+            entries, _, _ = slab_journal.decode(data)
+            touched.extend(e.name.hex() for e in slab_journal.iter_entries(entries) if e.op == slab_journal.TOUCH)
+            return real_append(fd, data, durable)
 
         def touch_hit(*args):
             try:
@@ -449,10 +469,10 @@ def test_a_swap_in_re_stamps_files_only_through_the_last_record_read_from_disk(t
             finally:
                 done.release()
 
-        disk.touch, tiers.touch_hit = touch, touch_hit
+        disk.touch, disk.append, tiers.touch_hit = touch, append, touch_hit
 
         def swap_in(missing_in_ram: list[str]) -> list[str]:
-            """The files one swap_in of the chain re-stamps, ``missing_in_ram`` read from disk."""
+            """The records one swap_in of the chain re-stamps, ``missing_in_ram`` read from disk."""
             host.delete_many(missing_in_ram)
             touched.clear()
             cache.zero_blocks([8, 9, 10, 11])
@@ -462,11 +482,12 @@ def test_a_swap_in_re_stamps_files_only_through_the_last_record_read_from_disk(t
             return touched[:]
 
         assert swap_in([]) == []  # all four from RAM
-        assert swap_in(["t2", "t3"]) == paths  # the tail from disk: the head before it too
-        assert swap_in(["t0", "t1"]) == paths[:2]  # the head from disk: the RAM-served tail keeps its mtimes
-        mtimes = [os.stat(p).st_mtime_ns for p in paths]
-        assert mtimes == sorted(mtimes, reverse=True), mtimes  # head newest, tail oldest
-        assert swap_in(keys) == paths
+        assert swap_in(["t2", "t3"]) == names  # the tail from disk: the head before it too
+        assert swap_in(["t0", "t1"]) == names[:2]  # the head from disk: the RAM-served tail keeps its stamps
+        stamps = {r.name: r.stamp for r in records_on_disk(tmp_path / "s")}
+        on_disk = [stamps[n] for n in names]
+        assert on_disk == sorted(on_disk, reverse=True), on_disk  # head newest, tail oldest
+        assert swap_in(keys) == names
 
 
 def test_lookup_prefix_joins_the_tiers_runs(tmp_path: Path) -> None:
@@ -613,22 +634,25 @@ def _register(endpoint: str, cache: HostKVCache) -> dict:
         return c.register(cache)
 
 
+@pytest.mark.parametrize("file_layout", LAYOUTS)
 def test_writes_in_flight_keep_their_slots_across_a_register_with_another_record_size(
-        tmp_path: Path, cache: HostKVCache) -> None:
+        tmp_path: Path, cache: HostKVCache, file_layout: str) -> None:
     """A register that replaces the pool while swap_out's writes still hold slots of it: the
     writes land the bytes they gathered (read back after registering the first layout again),
-    and the old pool is unmapped once they finish."""
+    and the old pool is unmapped once they finish. The register closes the first namespace's
+    stores meanwhile: a write in flight must still land."""
     from kvswap.protocol import CacheLayout
-    from support import GatedWrites, InProcessDaemon, wait_until
+    from support import InProcessDaemon, wait_until
 
     other = CacheLayout("other-model", num_layers=2, num_blocks=8, block_size=8, num_kv_heads=2, head_dim=16)
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c, \
+    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0, file_layout=file_layout) as d, \
+            Client(d.endpoint, timeout=10) as c, \
             HostKVCache.create(other) as small:
         c.register(small)  # its namespace directory exists then: the gated register below writes nothing
         c.register(cache)
         staging = d.daemon.swapper.staging
         expected = [cache.block_record(b) for b in (1, 2)]
-        with GatedWrites(d.daemon.file_backend.disk) as gate:
+        with GatedRecordWrites(d.daemon.file_backend.disk) as gate:
             assert c.swap_out([1, 2], ["g1", "g2"], wait="copied").status == ["queued", "queued"]
             assert gate.started.acquire(timeout=10)
             old = staging.arena
