@@ -1,5 +1,5 @@
 """The swap pipeline checked by the bytes it moves, through a daemon in this process driven by
-the real client over a real socket, with faults at the ``Disk`` seam:
+the real client over a real socket, with faults at the ``Disk`` seam, in both file layouts:
 
 - swap_in with a miss, a corrupt record or a read error ahead of hits: ``loaded`` is the
   leading run of loaded keys (an engine uses exactly that many blocks as its prefix), the hole's
@@ -11,53 +11,20 @@ the real client over a real socket, with faults at the ``Disk`` seam:
 
 from __future__ import annotations
 
-import errno
-import os
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
 
-from kvswap.backends import record
-from kvswap.protocol import Busy, CacheLayout, Client, Corrupt, HostKVCache
+from kvswap.protocol import Busy, CacheLayout, Client, HostKVCache
 
+from disk_records import LAYOUTS, checked_records, fail_reads_of, record_of
 from support import InProcessDaemon
 
 SENTINEL = 0x6B  # what a block the daemon must not write holds before and after
-
-
-def records_on_disk(root: Path) -> tuple[dict[str, bytes], list[str]]:
-    """Every record file under ``root``, keyed by the key in its header, and the files that
-    fail their own check (header, length, checksum): what a restart would serve, found
-    without the store's own index."""
-    good: dict[str, bytes] = {}
-    bad: list[str] = []
-    for here, _, names in os.walk(root):
-        for name in names:
-            if not name.endswith(".kvr"):
-                continue
-            data = (Path(here) / name).read_bytes()
-            try:
-                header = record.decode_header(data)
-                payload = data[header.header_len:]
-                record.verify(header, header.namespace, header.key, payload)
-            except Corrupt as exc:
-                bad.append(f"{name}: {exc.message}")
-                continue
-            assert header.key not in good, f"two record files hold {header.key}"
-            good[header.key] = payload
-    return good, bad
-
-
-def record_file_of(root: Path, key: str) -> Path:
-    for here, _, names in os.walk(root):
-        for name in names:
-            path = Path(here) / name
-            if name.endswith(".kvr") and record.decode_header(path.read_bytes()).key == key:
-                return path
-    raise AssertionError(f"no record file holds {key}")
 
 
 def fill(cache: HostKVCache, blocks: list[int], value: int) -> None:
@@ -69,51 +36,40 @@ def fill(cache: HostKVCache, blocks: list[int], value: int) -> None:
 # -- swap_in: the leading run, never past a hole ----------------------------------------------------
 
 
-def make_hole(kind: str, d: InProcessDaemon, c: Client, root: Path, key: str) -> str:
+def make_hole(kind: str, d: InProcessDaemon, c: Client, root: Path, key: str) -> tuple[str, Callable[[], None]]:
     """Turn the stored ``key`` into a hole of the given kind; returns the status swap_in must
-    report for it."""
-    disk = d.daemon.file_backend.disk
+    report for it, and what undoes the fault once that swap_in is over."""
     if kind == "miss":
         assert c.delete([key]) == 1
-        return "miss"
+        return "miss", lambda: None
     if kind == "corrupt":
-        path = record_file_of(root, key)
-        data = bytearray(path.read_bytes())
-        data[-1] ^= 0xFF  # the payload's last byte: the header still parses, the checksum fails
-        path.write_bytes(bytes(data))
-        return "corrupt"
-    original = disk.read_file
-    target = str(record_file_of(root, key))
-
-    def failing(path, parts):
-        if str(path) == target:
-            raise OSError(errno.EIO, "Input/output error")
-        return original(path, parts)
-
-    disk.read_file = failing
-    return "error"
+        # The payload's last byte: the header still parses, the checksum fails.
+        record_of(root, key).flip(-1)
+        return "corrupt", lambda: None
+    return "error", fail_reads_of(d.daemon.file_backend.disk, record_of(root, key))
 
 
+@pytest.mark.parametrize("file_layout", LAYOUTS)
 @pytest.mark.parametrize("kind", ["miss", "corrupt", "error"])
-def test_loaded_is_the_leading_run_and_the_hole_is_untouched(tmp_path: Path, cache: HostKVCache, kind: str) -> None:
+def test_loaded_is_the_leading_run_and_the_hole_is_untouched(tmp_path: Path, cache: HostKVCache, kind: str,
+                                                             file_layout: str) -> None:
     root = tmp_path / "s"
-    with InProcessDaemon(root, host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:  # holes in the file tier
+    # No RAM tier: holes in the file tier.
+    with InProcessDaemon(root, host_tier_bytes=0, file_layout=file_layout) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
-        disk = d.daemon.file_backend.disk
-        read_file = disk.read_file
         # The hole first, second, and last of four keys.
         for round_, hole in enumerate((0, 1, 3)):
             keys = [f"{kind}-{round_}-{i}" for i in range(4)]
             sources = [4 * round_ + i for i in range(4)]
             expected = [cache.block_record(b) for b in sources]
             assert c.swap_out(sources, keys, wait="persisted").stored == 4
-            want = make_hole(kind, d, c, root, keys[hole])
+            want, undo = make_hole(kind, d, c, root, keys[hole])
             targets = [20, 21, 22, 23]
             fill(cache, targets, SENTINEL)
             untouched = cache.block_record(targets[hole])
 
             result = c.swap_in(keys, targets)
-            disk.read_file = read_file
+            undo()
 
             assert result.status[hole] == want, result.status
             assert result.status[:hole] == ["loaded"] * hole
@@ -129,15 +85,17 @@ def test_loaded_is_the_leading_run_and_the_hole_is_untouched(tmp_path: Path, cac
         assert c.ping() < 1.0
 
 
-def test_every_hole_kind_in_one_request(tmp_path: Path, cache: HostKVCache) -> None:
+@pytest.mark.parametrize("file_layout", LAYOUTS)
+def test_every_hole_kind_in_one_request(tmp_path: Path, cache: HostKVCache, file_layout: str) -> None:
     root = tmp_path / "s"
-    with InProcessDaemon(root, host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:  # holes in the file tier
+    # No RAM tier: holes in the file tier.
+    with InProcessDaemon(root, host_tier_bytes=0, file_layout=file_layout) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         keys = ["h0", "h1", "h2", "h3", "h4"]
         expected = [cache.block_record(b) for b in range(5)]
         assert c.swap_out(list(range(5)), keys, wait="persisted").stored == 5
-        assert make_hole("corrupt", d, c, root, "h2") == "corrupt"
-        assert make_hole("error", d, c, root, "h4") == "error"
+        assert make_hole("corrupt", d, c, root, "h2")[0] == "corrupt"
+        assert make_hole("error", d, c, root, "h4")[0] == "error"
         fill(cache, list(range(10, 16)), SENTINEL)
         untouched = cache.block_record(10)
         result = c.swap_in(["h0", "h1", "h2", "never-stored", "h3", "h4"], list(range(10, 16)))
@@ -154,30 +112,34 @@ def test_every_hole_kind_in_one_request(tmp_path: Path, cache: HostKVCache) -> N
 
 
 class SlowWrites:
-    """Disk.write_file that waits ``delay_s`` before writing, so writes are still pending when
-    later swap_outs want staging slots."""
+    """Record writes (Disk.write_file in the files layout, Disk.write_at in the slab layout)
+    that wait ``delay_s`` first, so writes are still pending when later swap_outs want staging
+    slots."""
 
     def __init__(self, disk, delay_s: float) -> None:
-        self.original = disk.write_file
         self.delay_s = delay_s
         self.calls = 0
         self._lock = threading.Lock()
-        disk.write_file = self
+        disk.write_file, disk.write_at = self._slowed(disk.write_file), self._slowed(disk.write_at)
 
-    def __call__(self, *args, **kwargs):
-        with self._lock:
-            self.calls += 1
-        time.sleep(self.delay_s)
-        return self.original(*args, **kwargs)
+    def _slowed(self, write):
+        def slow(*args, **kwargs):
+            with self._lock:
+                self.calls += 1
+            time.sleep(self.delay_s)  # the fault itself (a slow disk), not a wait for a condition
+            return write(*args, **kwargs)
+
+        return slow
 
 
-def test_records_on_disk_are_the_bytes_swapped_out_while_slots_are_reused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("file_layout", LAYOUTS)
+def test_records_on_disk_are_the_bytes_swapped_out_while_slots_are_reused(tmp_path: Path, file_layout: str) -> None:
     layout = CacheLayout("slot-reuse", num_layers=2, num_blocks=8, block_size=8, num_kv_heads=2, head_dim=16)
     root = tmp_path / "s"
     slots = 4
     # Records of 2 KiB each take one 4 KiB staging slot: 4 write slots in all.
-    with InProcessDaemon(root, write_staging_bytes=slots * 4096) as d, HostKVCache.create(layout) as cache, \
-            Client(d.endpoint, timeout=30) as c:
+    with InProcessDaemon(root, write_staging_bytes=slots * 4096, file_layout=file_layout) as d, \
+            HostKVCache.create(layout) as cache, Client(d.endpoint, timeout=30) as c:
         assert c.register(cache)["write_slots"] == slots
         slow = SlowWrites(d.daemon.file_backend.disk, delay_s=0.03)
         rng = np.random.default_rng(5)
@@ -201,7 +163,7 @@ def test_records_on_disk_are_the_bytes_swapped_out_while_slots_are_reused(tmp_pa
             swapped.update(zip(keys, payloads))
         c.flush()
         # The bytes first: each record on disk is what was swapped out under its key.
-        on_disk, torn = records_on_disk(root)
+        on_disk, torn = checked_records(root)
         wrong = sorted(k for k in swapped if k in on_disk and on_disk[k] != swapped[k])
         assert (wrong, torn) == ([], []), f"{len(wrong)} records hold other keys' bytes, {len(torn)} are torn"
         assert sorted(on_disk) == sorted(swapped)
