@@ -10,20 +10,26 @@ from pathlib import Path
 import pytest
 
 from kvswap.backends.file_store import FileStore
+from kvswap.backends.slab_store import SlabStore
 from kvswap.protocol import CacheLayout, Client, HostKVCache
 
-from support import DaemonProcess, InProcessDaemon, free_port, record_bytes_on_disk, wait_until
+from disk_records import LAYOUTS, record_bytes_on_disk
+from support import DaemonProcess, InProcessDaemon, free_port, wait_until
 
 LAYOUT = CacheLayout("cap-test", num_layers=2, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=64)
-FILE_BYTES = 4096 + LAYOUT.record_bytes  # 16 KiB records carry a page-sized header
+FILE_BYTES = 4096 + LAYOUT.record_bytes  # 16 KiB records carry a page-sized header (a slab slot: the same)
+#: The store class each ``--file-layout`` opens, for tests that hold its start-up scan.
+STORE_CLASS = {"slab": SlabStore, "files": FileStore}
 
 
-def test_a_capped_store_stays_under_its_cap_and_keeps_recent_records(tmp_path: Path) -> None:
+@pytest.mark.parametrize("file_layout", LAYOUTS)
+def test_a_capped_store_stays_under_its_cap_and_keeps_recent_records(tmp_path: Path, file_layout: str) -> None:
     cap = 40 * FILE_BYTES
     store = tmp_path / "store"
     # No RAM tier: what the file tier evicted must be gone.
-    daemon = DaemonProcess(store, free_port(), free_port(),
-                           extra_args=["--storage-max-bytes", str(cap), "--host-tier-bytes", "0"]).start()
+    daemon = DaemonProcess(store, free_port(), free_port(), extra_args=["--storage-max-bytes", str(cap),
+                                                                        "--host-tier-bytes", "0",
+                                                                        "--file-layout", file_layout]).start()
     try:
         with HostKVCache.create(LAYOUT) as cache, Client(daemon.endpoint, timeout=10) as c:
             cache.fill_random(3)
@@ -35,8 +41,8 @@ def test_a_capped_store_stays_under_its_cap_and_keeps_recent_records(tmp_path: P
                 out = c.swap_out(list(range(len(batch))), batch, wait="persisted")
                 assert out.status == ["stored"] * len(batch)
                 peak = max(peak, record_bytes_on_disk(store))
-            assert peak <= cap + FILE_BYTES
-            assert record_bytes_on_disk(store) <= cap
+            assert 0 < peak <= cap + FILE_BYTES
+            assert 0 < record_bytes_on_disk(store) <= cap
             assert c.ping() < 5
             # The most recent records are all there; the oldest are gone.
             assert c.lookup(keys[-16:]) == 16
@@ -53,10 +59,12 @@ def _leaders(daemons: list[DaemonProcess]) -> list[int]:
     return [i for i, d in enumerate(daemons) if d.alive and d.metric("kvswap_eviction_leader", tier="file") == 1]
 
 
-def test_three_daemons_share_one_directory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("file_layout", LAYOUTS)
+def test_three_daemons_share_one_directory(tmp_path: Path, file_layout: str) -> None:
     store = tmp_path / "shared"
     cap = 48 * FILE_BYTES
-    args = ["--storage-max-bytes", str(cap), "--storage-rescan-interval-s", "0.3", "--maintenance-interval-s", "0.1"]
+    args = ["--storage-max-bytes", str(cap), "--storage-rescan-interval-s", "0.3", "--maintenance-interval-s", "0.1",
+            "--file-layout", file_layout]
     daemons = [DaemonProcess(store, free_port(), free_port(), extra_args=args).start() for _ in range(3)]
     caches = [HostKVCache.create(LAYOUT) for _ in daemons]
     try:
@@ -80,7 +88,7 @@ def test_three_daemons_share_one_directory(tmp_path: Path) -> None:
         for round_ in range(10):
             for i, c in enumerate(clients):
                 c.swap_out(list(range(8)), [f"r{round_}-d{i}-{k}" for k in range(8)], wait="persisted")
-        assert wait_until(lambda: record_bytes_on_disk(store) <= cap, timeout=15)
+        assert wait_until(lambda: 0 < record_bytes_on_disk(store) <= cap, timeout=15)
         evicting = [i for i, d in enumerate(daemons)
                     if d.metric("kvswap_evictions_total", tier="file", reason="capacity") > 0]
         assert evicting == [leader]
@@ -94,7 +102,7 @@ def test_three_daemons_share_one_directory(tmp_path: Path) -> None:
         for round_ in range(10):
             for i in survivors:
                 clients[i].swap_out(list(range(8)), [f"t{round_}-d{i}-{k}" for k in range(8)], wait="persisted")
-        assert wait_until(lambda: record_bytes_on_disk(store) <= cap, timeout=15)
+        assert wait_until(lambda: 0 < record_bytes_on_disk(store) <= cap, timeout=15)
         assert daemons[new_leader].metric("kvswap_evictions_total", tier="file", reason="capacity") > 0
         for i in survivors:
             clients[i].close()
@@ -105,12 +113,19 @@ def test_three_daemons_share_one_directory(tmp_path: Path) -> None:
             cache.close()
 
 
-def test_lookups_work_before_the_start_up_scan_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("written", "read"), [("files", "files"), ("slab", "slab"), ("files", "slab")],
+                         ids=["files", "slab", "files-then-slab"])
+def test_lookups_work_before_the_start_up_scan_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, written: str,
+                                                    read: str) -> None:
+    """Records written in layout ``written``, then served by a daemon in layout ``read`` whose
+    start-up scan is held: the files layout's lookups stat the files meanwhile; the slab layout
+    replayed its journals when the store opened (its scan is the old layout's files: a
+    directory moved over from it serves them before that scan ends, too)."""
     store = tmp_path / "store"
     with HostKVCache.create(LAYOUT) as cache:
         cache.fill_random(5)
         keys = [f"early-{i}" for i in range(16)]
-        with InProcessDaemon(store) as d, Client(d.endpoint, timeout=10) as c:
+        with InProcessDaemon(store, file_layout=written) as d, Client(d.endpoint, timeout=10) as c:
             c.register(cache)
             c.swap_out(list(range(16)), keys, wait="persisted")
         # A dead writer's temp file, left by a crash.
@@ -119,14 +134,15 @@ def test_lookups_work_before_the_start_up_scan_ends(tmp_path: Path, monkeypatch:
         leftover.write_bytes(b"torn")
 
         gate = threading.Event()
-        real_scan = FileStore.scan
+        store_class = STORE_CLASS[read]
+        real_scan = store_class.scan
 
         def slow_scan(self):
             assert gate.wait(30), "the test never released the scan"
             return real_scan(self)
 
-        monkeypatch.setattr(FileStore, "scan", slow_scan)
-        with InProcessDaemon(store) as d, Client(d.endpoint, timeout=10) as c:
+        monkeypatch.setattr(store_class, "scan", slow_scan)
+        with InProcessDaemon(store, file_layout=read) as d, Client(d.endpoint, timeout=10) as c:
             c.register(cache)
             assert c.stats()["tiers"]["file"]["scan_complete"] is False
             assert c.lookup(keys) == 16  # answered from the directory while the scan waits
@@ -152,8 +168,10 @@ def _lock_holders(lock: Path) -> int:
     return count
 
 
+@pytest.mark.parametrize("file_layout", LAYOUTS)
 def test_a_namespace_closed_during_its_scan_leaves_the_lock_to_its_next_store(tmp_path: Path,
-                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                               monkeypatch: pytest.MonkeyPatch,
+                                                                               file_layout: str) -> None:
     """Issue 22 (4): register layout A, then B from the same pid while A's start-up scan runs,
     then A again. The scan of the closed A took evict.lock (and kept its descriptor), so the
     new A store never led and the cap stopped holding."""
@@ -162,7 +180,8 @@ def test_a_namespace_closed_during_its_scan_leaves_the_lock_to_its_next_store(tm
     other = CacheLayout("cap-test-b", num_layers=2, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=64)
     lock = store / LAYOUT.fingerprint() / "evict.lock"
     gate, held = threading.Event(), threading.Event()
-    real_scan = FileStore.scan
+    store_class = STORE_CLASS[file_layout]
+    real_scan = store_class.scan
 
     def first_scan_waits(self):
         if self.namespace == LAYOUT.fingerprint() and not held.is_set():
@@ -170,9 +189,9 @@ def test_a_namespace_closed_during_its_scan_leaves_the_lock_to_its_next_store(tm
             assert gate.wait(30), "the test never released the scan"
         return real_scan(self)
 
-    monkeypatch.setattr(FileStore, "scan", first_scan_waits)
+    monkeypatch.setattr(store_class, "scan", first_scan_waits)
     with HostKVCache.create(LAYOUT) as a, HostKVCache.create(other) as b, \
-            InProcessDaemon(store, storage_max_bytes=cap, maintenance_interval_s=0.05) as d, \
+            InProcessDaemon(store, storage_max_bytes=cap, maintenance_interval_s=0.05, file_layout=file_layout) as d, \
             Client(d.endpoint, timeout=10) as c:
         a.fill_random(1)
         b.fill_random(2)
@@ -193,18 +212,22 @@ def test_a_namespace_closed_during_its_scan_leaves_the_lock_to_its_next_store(tm
         for start in range(0, 32, 8):  # well past the cap
             keys = [f"again-{i}" for i in range(start, start + 8)]
             assert c.swap_out(list(range(8)), keys, wait="persisted").status == ["stored"] * 8
-            assert record_bytes_on_disk(store / LAYOUT.fingerprint()) <= cap
+            assert 0 < record_bytes_on_disk(store / LAYOUT.fingerprint()) <= cap
         file_tier = c.stats()["tiers"]["file"]
         assert file_tier["bytes"] <= cap and file_tier["evicted_capacity"] + file_tier["records"] == 32
 
 
-def test_background_eviction_runs_on_the_maintenance_interval_not_the_remote_checks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("file_layout", LAYOUTS)
+def test_background_eviction_runs_on_the_maintenance_interval_not_the_remote_checks(tmp_path: Path,
+                                                                                   file_layout: str) -> None:
     """Issue 22 (12c): storage maintenance comes every --maintenance-interval-s, whatever the
     remote health interval. With maintenance every 50 ms and remote probes once an hour, each
     round of writes to the high watermark is evicted back to the low one well within a minute;
     maintenance tied to the remote interval would manage one round at most."""
     cap_records = 20
-    probe = DaemonProcess(tmp_path / "probe", free_port(), free_port(), extra_args=["--host-tier-bytes", "0"]).start()
+    layout_args = ["--file-layout", file_layout]
+    probe = DaemonProcess(tmp_path / "probe", free_port(), free_port(),
+                          extra_args=["--host-tier-bytes", "0", *layout_args]).start()
     try:
         with HostKVCache.create(LAYOUT) as cache, Client(probe.endpoint, timeout=10) as c:
             c.register(cache)
@@ -214,7 +237,7 @@ def test_background_eviction_runs_on_the_maintenance_interval_not_the_remote_che
         assert probe.stop() == 0
     cap = cap_records * file_bytes
     daemon = DaemonProcess(tmp_path / "store", free_port(), free_port(),
-                           extra_args=["--storage-max-bytes", str(cap), "--host-tier-bytes", "0",
+                           extra_args=["--storage-max-bytes", str(cap), "--host-tier-bytes", "0", *layout_args,
                                        "--maintenance-interval-s", "0.05", "--remote-check-interval-s", "3600"]).start()
     try:
         with HostKVCache.create(LAYOUT) as cache, Client(daemon.endpoint, timeout=10) as c:
