@@ -799,6 +799,13 @@ class SlabStore(FileStore):
             return True
         return False
 
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            known = record_name(key) in self._where
+        if not known:
+            self._refresh()  # another daemon's record this one has not read of yet (as contains does)
+        return super().delete(key)
+
     def clear(self) -> int:
         with self._lock:
             items = [(name, key) for name, key in self._where.items() if key != LEGACY]

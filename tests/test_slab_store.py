@@ -267,6 +267,17 @@ def test_two_daemons_share_a_directory(root) -> None:
     assert get(b, "reuse") == (GetStatus.LOADED, bytes(payload_for(3)))
 
 
+def test_a_delete_finds_a_record_another_daemon_wrote_since_this_one_last_read(root) -> None:
+    """A delete reads the other daemons' journals when the record is not indexed, as contains
+    and get_into do: it answered False and kept the record (which a daemon sharing the files
+    layout's directory removes with one unlink)."""
+    a, b = open_store(root), open_store(root)
+    b.put("from-b", payload_for(1))
+    assert a.delete("from-b") and not a.contains("from-b")
+    b._refresh()
+    assert not b.contains("from-b") and on_disk(root) == {}
+
+
 def test_a_reader_of_a_slot_reused_by_its_owner_gets_a_miss_not_corrupt(root) -> None:
     a, b = open_store(root), open_store(root)
     a.put("old", payload_for(1))
