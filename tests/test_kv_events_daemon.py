@@ -21,6 +21,7 @@ from kvswap.protocol import CacheLayout, Client, HostKVCache
 from kvswap.protocol.kv_events import BlockMeta, BlockStored, END_SEQ, seq_bytes
 from kvswap.protocol.kv_events_subscriber import Subscriber
 
+from disk_records import LAYOUTS, record_of
 from support import InProcessDaemon, free_port, wait_until
 
 LAYOUT = CacheLayout("events", num_layers=2, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=64)
@@ -85,13 +86,14 @@ def _chains(prefix: str, chains: int, length: int) -> list[list[str]]:
     return [[f"{prefix}{c}-{i}" for i in range(length)] for c in range(chains)]
 
 
-def test_a_late_subscriber_rebuilds_every_tier_through_churn_and_a_restart(tmp_path: Path) -> None:
+@pytest.mark.parametrize("file_layout", LAYOUTS)
+def test_a_late_subscriber_rebuilds_every_tier_through_churn_and_a_restart(tmp_path: Path, file_layout: str) -> None:
     store = tmp_path / "store"
     pub, replay = _endpoints()
     universe: list[str] = []
     with HostKVCache.create(LAYOUT) as cache:
         cache.fill_random(7)
-        with _daemon(store, pub, replay) as d, Client(d.endpoint, timeout=20) as c:
+        with _daemon(store, pub, replay, file_layout=file_layout) as d, Client(d.endpoint, timeout=20) as c:
             namespace = c.register(cache)["namespace"]
             # Past both caps: 10 chains of 8 (80 records; RAM holds at most 20, the file tier 40).
             for chain in _chains("a", 10, 8):
@@ -103,10 +105,7 @@ def test_a_late_subscriber_rebuilds_every_tier_through_churn_and_a_restart(tmp_p
             truth = _truth(d, namespace, universe)
             # A corrupt record, read from the file tier (not in RAM): removed on read, and told.
             victim = next(k for k in sorted(truth["kvswap:file"] - truth["kvswap:host"]))
-            path = d.daemon.swapper.registrar.namespaces[namespace].stores["file"].path_of(victim)[1]  # type: ignore[attr-defined]
-            with open(path, "r+b") as f:
-                f.seek(4096 + 100)
-                f.write(b"\xff" * 8)
+            record_of(store / namespace, victim).write(4096 + 100, b"\xff" * 8)  # payload bytes: the checksum fails
             assert c.swap_in([victim], [60]).status == ["corrupt"]
 
             # The subscriber joins now, long after the first batches: replay brings them.
@@ -131,7 +130,7 @@ def test_a_late_subscriber_rebuilds_every_tier_through_churn_and_a_restart(tmp_p
         done = subprocess.run([sys.executable, "-m", "kvswap.daemon.tools.admin", "gc", str(store), "--max-bytes",
                                str(12 * FILE_BYTES)], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
-        with _daemon(store, pub, replay) as d, Client(d.endpoint, timeout=20) as c:
+        with _daemon(store, pub, replay, file_layout=file_layout) as d, Client(d.endpoint, timeout=20) as c:
             namespace = c.register(cache)["namespace"]
             files = d.daemon.swapper.registrar.namespaces[namespace].stores["file"]
             assert wait_until(lambda: files.scan_complete.is_set(), timeout=15)  # type: ignore[attr-defined]
@@ -145,21 +144,22 @@ def test_a_late_subscriber_rebuilds_every_tier_through_churn_and_a_restart(tmp_p
                 sub.close()
 
 
-def test_a_subscriber_across_a_restart_drops_what_the_old_daemon_announced(tmp_path: Path) -> None:
+@pytest.mark.parametrize("file_layout", LAYOUTS)
+def test_a_subscriber_across_a_restart_drops_what_the_old_daemon_announced(tmp_path: Path, file_layout: str) -> None:
     store = tmp_path / "store"
     pub, replay = _endpoints()
     with HostKVCache.create(LAYOUT) as cache:
         cache.fill_random(3)
         sub = Subscriber(pub, replay, keep_stored=True)
         try:
-            with _daemon(store, pub, replay) as d, Client(d.endpoint, timeout=20) as c:
+            with _daemon(store, pub, replay, file_layout=file_layout) as d, Client(d.endpoint, timeout=20) as c:
                 namespace = c.register(cache)["namespace"]
                 keys = [f"k{i}" for i in range(6)]
                 c.swap_out(list(range(6)), keys, wait="persisted")
                 sub.join()
                 _assert_matches(sub, d, c, namespace, keys)
                 assert sub.view.keys("kvswap:host") == set(keys)
-            with _daemon(store, pub, replay) as d, Client(d.endpoint, timeout=20) as c:
+            with _daemon(store, pub, replay, file_layout=file_layout) as d, Client(d.endpoint, timeout=20) as c:
                 namespace = c.register(cache)["namespace"]
                 _assert_matches(sub, d, c, namespace, keys)
                 assert sub.restarts == 1
@@ -200,13 +200,15 @@ def test_block_meta_names_records_with_the_engine_hashes_and_the_chain_gives_par
             sub.close()
 
 
-def test_another_daemons_eviction_in_a_shared_directory_is_found_by_the_rescan_and_told(tmp_path: Path) -> None:
+@pytest.mark.parametrize("file_layout", LAYOUTS)
+def test_another_daemons_eviction_in_a_shared_directory_is_found_by_the_rescan_and_told(tmp_path: Path,
+                                                                                        file_layout: str) -> None:
     """Daemon B (no RAM tier) holds records that daemon A, the evicting one, removes: B's
     rescan finds them gone and its events say so."""
     store = tmp_path / "shared"
     pub_a, replay_a = _endpoints()
     pub_b, replay_b = _endpoints()
-    common = dict(host_tier_bytes=0, storage_rescan_interval_s=0.2)
+    common = dict(host_tier_bytes=0, storage_rescan_interval_s=0.2, file_layout=file_layout)
     with HostKVCache.create(LAYOUT) as cache:
         cache.fill_random(5)
         with _daemon(store, pub_a, replay_a, storage_max_bytes=0, **common) as a, \
@@ -340,7 +342,8 @@ def test_the_remote_tier_is_told_apart_as_remote_storage(tmp_path: Path) -> None
         server.kill()
 
 
-def test_a_restart_announces_records_under_the_names_their_headers_kept(tmp_path: Path) -> None:
+@pytest.mark.parametrize("file_layout", LAYOUTS)
+def test_a_restart_announces_records_under_the_names_their_headers_kept(tmp_path: Path, file_layout: str) -> None:
     """64 KiB records get a page-sized header, which keeps the engine's names: the restarted
     daemon's scan announces them with the same hashes, parents and tokens."""
     big = CacheLayout("events-big", num_layers=8, num_blocks=16, block_size=16, num_kv_heads=2, head_dim=64)
@@ -350,11 +353,13 @@ def test_a_restart_announces_records_under_the_names_their_headers_kept(tmp_path
     metas = [BlockMeta((h,), None, tuple(range(16 * i, 16 * i + 16)), 16) for i, h in enumerate(hashes)]
     with HostKVCache.create(big) as cache:
         cache.fill_random(9)
-        with _daemon(store, pub, replay, host_tier_bytes=0, write_staging_bytes=16 * big.record_bytes) as d, Client(d.endpoint, timeout=20) as c:
+        with _daemon(store, pub, replay, host_tier_bytes=0, write_staging_bytes=16 * big.record_bytes,
+                     file_layout=file_layout) as d, Client(d.endpoint, timeout=20) as c:
             c.register(cache)
             c.swap_out([0, 1, 2, 3, 4], ["n0", "n1", "n2", "n3", "plain"], wait="persisted",
                        block_meta=[*metas, None])
-        with _daemon(store, pub, replay, host_tier_bytes=0, write_staging_bytes=16 * big.record_bytes) as d, Client(d.endpoint, timeout=20) as c:
+        with _daemon(store, pub, replay, host_tier_bytes=0, write_staging_bytes=16 * big.record_bytes,
+                     file_layout=file_layout) as d, Client(d.endpoint, timeout=20) as c:
             c.register(cache)
             sub = Subscriber(pub, replay, keep_stored=True)
             try:
@@ -371,11 +376,13 @@ def test_a_restart_announces_records_under_the_names_their_headers_kept(tmp_path
                 sub.close()
 
 
-def test_a_namespace_no_longer_served_is_removed_and_announced_again_when_it_returns(tmp_path: Path) -> None:
+@pytest.mark.parametrize("file_layout", LAYOUTS)
+def test_a_namespace_no_longer_served_is_removed_and_announced_again_when_it_returns(tmp_path: Path,
+                                                                                     file_layout: str) -> None:
     other = CacheLayout("events-other", num_layers=2, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=32)
     pub, replay = _endpoints()
     with HostKVCache.create(LAYOUT) as first, HostKVCache.create(other) as second, \
-            _daemon(tmp_path / "s", pub, replay) as d, Client(d.endpoint, timeout=20) as c:
+            _daemon(tmp_path / "s", pub, replay, file_layout=file_layout) as d, Client(d.endpoint, timeout=20) as c:
         first.fill_random(1)
         second.fill_random(2)
         c.register(first)
