@@ -4,7 +4,8 @@ of it held while it takes real signals:
     python tests/daemon_child.py PORT METRICS_PORT STORAGE_DIR MODE
 
 MODE ``hold-writes``: every record write blocks for good (prints ``write held``), so a
-persisted swap_out stays in flight through a drain. MODE ``handlers``: Python handlers are
+persisted swap_out stays in flight through a drain: ``Disk.write_file`` of a ``.kvr`` file (the
+files layout) and every ``Disk.write_at`` (a slab slot: the slab layout, the default). MODE ``handlers``: Python handlers are
 installed for SIGTERM, SIGINT and SIGHUP before ``run``; after it returns the process prints
 ``restored`` if they are the ones in place again, else what is there. Exits with run's code.
 """
@@ -30,14 +31,21 @@ def main(port: int, metrics_port: int, storage_dir: str, mode: str) -> int:
         never = threading.Event()
         write_file = Disk.write_file
 
-        def held(self, tmp: str, final: str, parts: list, mtime_ns: int | None = None) -> int:
-            if not final.endswith(RECORD_SUFFIX):  # namespace.json and the like go through
-                return write_file(self, tmp, final, parts, mtime_ns)
+        def hold() -> int:
             print("write held", flush=True)
             never.wait()
             return 0
 
+        def held(self, tmp: str, final: str, parts: list, mtime_ns: int | None = None) -> int:
+            if not final.endswith(RECORD_SUFFIX):  # namespace.json and the like go through
+                return write_file(self, tmp, final, parts, mtime_ns)
+            return hold()
+
+        def held_at(self, fd: int, direct_fd: int | None, parts: list, offset: int) -> int:
+            return hold()  # the slab layout writes nothing but records this way
+
         Disk.write_file = held  # type: ignore[method-assign]
+        Disk.write_at = held_at  # type: ignore[method-assign]
         return server.run(config)
     handlers = {sig: (lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     for sig, handler in handlers.items():
