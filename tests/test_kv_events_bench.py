@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from disk_records import records_on_disk
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kv_events_cost.py"
 CONFIGS = ("off", "on", "on_meta")
 
@@ -58,5 +60,6 @@ def test_kv_events_cost_counts_every_event(tmp_path: Path) -> None:
             assert data[f"{measure}_{config}"] > 0
     for prefix in ("swap_out", "swap_out_copied", "lookup"):
         assert data[f"{prefix}_ratio"] > 0 and data[f"{prefix}_meta_ratio"] > 0
-    # The daemons' directories were in a temp dir under --storage-dir, removed at the end.
-    assert not any(tmp_path.rglob("*.kvr"))
+    # The daemons' directories were in a temp dir under --storage-dir, removed at the end:
+    # no record left in either file layout, nor a slab.
+    assert records_on_disk(tmp_path) == [] and not any(tmp_path.rglob("*.slab"))
