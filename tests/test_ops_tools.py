@@ -171,7 +171,7 @@ def test_launch_escalates_when_the_server_ignores_sigint(tmp_path: Path) -> None
 
 
 def _store(root: Path, namespace: str, n: int) -> list[str]:
-    store = FileBackend(str(root)).open_store(namespace, {"model_id": "m"}, 1024)
+    store = FileBackend(str(root), layout="files").open_store(namespace, {"model_id": "m"}, 1024)  # a file per record
     paths = []
     for i in range(n):
         store.put(f"k-{i}", memoryview(bytes([i]) * 1024))
