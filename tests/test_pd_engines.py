@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import load_benchmark, wait_until
+from support import load_benchmark, vllm_env, wait_until
 from test_vllm_connector import vllm_python  # noqa: F401  (a fixture)
 
 from kvswap.protocol import Client
@@ -88,7 +88,11 @@ class Rig:
 def rig(vllm_python, tmp_path_factory):  # noqa: F811
     if redis_skip_reason():
         pytest.skip(redis_skip_reason())
-    rig = Rig(vllm_python, tmp_path_factory.mktemp("pd"))
+    # pd_replay starts its engines in this process's environment (pd.engine_env): the tests'
+    # compile cache setting (support.vllm_env) goes there for the start.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_USE_AOT_COMPILE", vllm_env()["VLLM_USE_AOT_COMPILE"])
+        rig = Rig(vllm_python, tmp_path_factory.mktemp("pd"))
     yield rig
     rig.close()
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support import DaemonProcess, free_port, load_benchmark, wait_until
+from support import DaemonProcess, free_port, load_benchmark, vllm_env, wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
@@ -125,7 +125,7 @@ def engine(vllm_python, kvswapd, tmp_path_factory):
     mod = _load_engine_module()
     model = mod.make_model_dir(str(work / "model"), LAYERS, HIDDEN, HEADS, KV_HEADS, 512, 1024)
     stats = work / "connector-stats.json"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env = vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     started = time.monotonic()
     proc = mod.EngineProcess(vllm_python, ["--model", model, "--endpoint", kvswapd.endpoint, "--stats-file", str(stats),
                                            "--block-size", str(BLOCK), "--block-bytes", str(BLOCK_BYTES),
@@ -275,7 +275,7 @@ def test_tensor_parallel_ranks_each_load_from_their_own_daemon_with_a_float32_ca
     model = mod.make_model_dir(str(tmp_path / "model"), LAYERS, HIDDEN, HEADS, KV_HEADS, 512, 1024)
     script = tmp_path / "tp_engine.py"
     script.write_text(TP_ENGINE % {"block": BLOCK, "block_bytes": BLOCK_BYTES, "tokens": PROMPT_TOKENS})
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    env = vllm_env()
     log = tmp_path / "engine.log"
     try:
         with open(log, "wb") as out:
