@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import zmq
-from support import DaemonProcess, free_port
+from support import DaemonProcess, free_port, vllm_env
 
 from kvswap.engines.vllm import events as forwarding
 from kvswap.engines.vllm.events import EventForwarder
@@ -337,32 +338,82 @@ def held_after(events: list[dict[str, Any]], ownership: str) -> set[Any]:
     return held
 
 
-@pytest.mark.vllm
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("int_hashes", [True, False], ids=["int-hashes", "bytes-hashes"])
-def test_vllm_publishes_kvswaps_blocks_with_the_engines_names(vllm_python, tmp_path: Path,  # noqa: F811
-                                                              int_hashes: bool) -> None:
+@dataclass
+class EventsEngine:
+    """A vLLM engine with KV events on, beside its own kvswapd with events on."""
+
+    work: Path
+    daemon: DaemonProcess  # replaced by the test that restarts it
+    ports: Ports
+    engine: Any
+    log: Path  # the engine's published stream, decoded (benchmarks/vllm_engine.py --kv-events-log)
+    stats: Path  # the connector's stats file, written when the engine exits
+
+
+def start_events_engine(python: str, work: Path, model: str, int_hashes: bool) -> EventsEngine:
     """``int_hashes``: vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (1, its default: a block is named
-    by its hash's low 64 bits; 0: by the hash's bytes)."""
-    daemon, ports = events_daemon(tmp_path)
+    by its hash's low 64 bits; 0: by the hash's bytes). vLLM reads it once, at start: one engine
+    each."""
+    daemon, ports = events_daemon(work)
     _, _, pub, replay = ports
     mod = _load_engine_module()
-    model = mod.make_model_dir(str(tmp_path / "model"), LAYERS, HIDDEN, HEADS, KV_HEADS, 512, 1024)
-    log = tmp_path / "engine-events.jsonl"
-    stats = tmp_path / "connector-stats.json"
+    log = work / "engine-events.jsonl"
+    stats = work / "connector-stats.json"
     events_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{free_port()}"}
     extra = {"kv_events_endpoint": f"tcp://127.0.0.1:{pub}", "kv_events_replay_endpoint": f"tcp://127.0.0.1:{replay}",
              "retry_s": 0.2}
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "1" if int_hashes else "0"
+    env = vllm_env(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES="1" if int_hashes else "0")
     started = time.monotonic()
-    engine = mod.EngineProcess(vllm_python, [
-        "--model", model, "--endpoint", daemon.endpoint, "--stats-file", str(stats), "--block-size", str(BLOCK),
-        "--block-bytes", str(BLOCK_BYTES), "--cache-blocks", "80", "--max-model-len", "2048",
-        "--load-policy", "always", "--connector-extra", json.dumps(extra),
-        "--kv-events-config", json.dumps(events_config), "--kv-events-log", str(log)],
-        str(tmp_path / "engine.log"), env=env)
-    print(f"\n[vllm] engine up in {time.monotonic() - started:.1f} s (log {tmp_path / 'engine.log'})")
+    try:
+        engine = mod.EngineProcess(python, [
+            "--model", model, "--endpoint", daemon.endpoint, "--stats-file", str(stats), "--block-size", str(BLOCK),
+            "--block-bytes", str(BLOCK_BYTES), "--cache-blocks", "80", "--max-model-len", "2048",
+            "--load-policy", "always", "--connector-extra", json.dumps(extra),
+            "--kv-events-config", json.dumps(events_config), "--kv-events-log", str(log)],
+            str(work / "engine.log"), env=env)
+    except BaseException:
+        daemon.stop()
+        raise
+    print(f"\n[vllm] engine (int hashes: {int_hashes}) up in {time.monotonic() - started:.1f} s "
+          f"(log {work / 'engine.log'})")
+    return EventsEngine(work, daemon, ports, engine, log, stats)
+
+
+@pytest.fixture(scope="module")
+def events_engines(vllm_python, tmp_path_factory) -> Iterator[dict[bool, EventsEngine]]:  # noqa: F811
+    """Both namings' engines, started side by side: each start is mostly one core's work
+    (imports, loading the compiled model), so on 2 cores two take about as long as one (~25 s
+    here); one after the other they took twice that. Each test uses its own engine and daemon."""
+    model = _load_engine_module().make_model_dir(str(tmp_path_factory.mktemp("model")), LAYERS, HIDDEN, HEADS,
+                                                 KV_HEADS, 512, 1024)
+    works = {h: tmp_path_factory.mktemp("int-hashes" if h else "bytes-hashes") for h in (True, False)}
+    with ThreadPoolExecutor(len(works)) as pool:
+        futures = {h: pool.submit(start_events_engine, vllm_python, work, model, h) for h, work in works.items()}
+    engines: dict[bool, EventsEngine] = {}
+    failure: BaseException | None = None
+    for h, future in futures.items():
+        try:
+            engines[h] = future.result()
+        except Exception as exc:  # noqa: BLE001 - raised below, once the other is closed
+            failure = failure or exc
+    try:
+        if failure is not None:
+            raise failure
+        yield engines
+    finally:
+        for pair in engines.values():
+            pair.engine.close()
+            pair.daemon.stop()
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("int_hashes", [True, False], ids=["int-hashes", "bytes-hashes"])
+def test_vllm_publishes_kvswaps_blocks_with_the_engines_names(events_engines: dict[bool, EventsEngine],
+                                                              int_hashes: bool) -> None:
+    """``int_hashes``: see start_events_engine."""
+    pair = events_engines[int_hashes]
+    engine, log, tmp_path, ports = pair.engine, pair.log, pair.work, pair.ports
     small = iter(range(100, 10_000))
 
     def step() -> None:
@@ -413,8 +464,8 @@ def test_vllm_publishes_kvswaps_blocks_with_the_engines_names(vllm_python, tmp_p
         # kvswapd restarts: the stream removes kvswap's blocks (both tiers) and nothing else;
         # once the worker registered again, the file tier's scan names its records again, by
         # the engine's hashes.
-        daemon.stop(signal.SIGKILL)
-        daemon, _ = events_daemon(tmp_path, ports)
+        pair.daemon.stop(signal.SIGKILL)
+        pair.daemon, _ = events_daemon(tmp_path, ports)
         after: list[dict[str, Any]] = []
         more = iter(range(20_000, 30_000))
 
@@ -434,7 +485,7 @@ def test_vllm_publishes_kvswaps_blocks_with_the_engines_names(vllm_python, tmp_p
         assert not any(e["type"] == "AllBlocksCleared" for b in read_events(log) for e in b["events"])
     finally:
         engine.close()
-        daemon.stop()
-    counts = json.loads(stats.read_text())["kv_events"]
+        pair.daemon.stop()
+    counts = json.loads(pair.stats.read_text())["kv_events"]
     print(f"\n[vllm] forwarder counts: {counts}")
     assert counts["resets"] >= 1 and counts["lost"] == 0 and counts["bad"] == 0
