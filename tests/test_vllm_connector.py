@@ -265,31 +265,81 @@ if __name__ == "__main__":  # vLLM starts its workers with spawn
 """
 
 
-def test_tensor_parallel_ranks_each_load_from_their_own_daemon_with_a_float32_cache(vllm_python, tmp_path):
+class TensorParallelRun:
+    """TP_ENGINE's whole run (start, two generates, exit) in a background process, with one
+    kvswapd per rank; the test of it collects the result."""
+
+    def __init__(self, python: str, work: Path) -> None:
+        self.work = work
+        self.daemons = [DaemonProcess(work / f"rank{r}", free_port(), free_port()).start() for r in range(2)]
+        self.proc: subprocess.Popen | None = None
+        try:
+            mod = _load_engine_module()
+            model = mod.make_model_dir(str(work / "model"), LAYERS, HIDDEN, HEADS, KV_HEADS, 512, 1024)
+            script = work / "tp_engine.py"
+            script.write_text(TP_ENGINE % {"block": BLOCK, "block_bytes": BLOCK_BYTES, "tokens": PROMPT_TOKENS})
+            self.log = work / "engine.log"
+            with open(self.log, "wb") as out:
+                self.proc = subprocess.Popen([python, str(script), model, ",".join(d.endpoint for d in self.daemons)],
+                                             stdout=out, stderr=subprocess.STDOUT, env=vllm_env())
+        except BaseException:
+            self.close()
+            raise
+
+    def finish(self, timeout_s: float) -> tuple[int, str]:
+        """The run's exit code and output, once it has exited."""
+        assert self.proc is not None
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"the TP engine did not finish within {timeout_s} s:\n"
+                                 f"{self.log.read_text(errors='replace')[-3000:]}") from None
+        return code, self.log.read_text(errors="replace")
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for d in self.daemons:
+            d.stop()
+
+
+TP_TEST = "test_tensor_parallel_ranks_each_load_from_their_own_daemon_with_a_float32_cache"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tp_run(request, vllm_python, tmp_path_factory):
+    """The TP run, started as the module starts (where its test is selected) and so beside the
+    single engine's start and tests: it is mostly one core's work (torch and vLLM imported in
+    turn by three processes, ~100 s here), and they leave one of the 2 cores idle much of the
+    time (their engine runs one torch thread; two of the tests wait on a stopped or killed
+    daemon). One after the other, the module took the sum of both."""
+    if not any(item.name == TP_TEST and item.module is request.module for item in request.session.items):
+        yield None
+        return
+    run = TensorParallelRun(vllm_python, tmp_path_factory.mktemp("tp"))
+    yield run
+    run.close()
+
+
+def test_tensor_parallel_ranks_each_load_from_their_own_daemon_with_a_float32_cache(tp_run: TensorParallelRun):
     """TP=2: one kvswapd per rank; each rank saves its half of the heads to its own daemon, and a
     prefix is a hit only where both hold it, then loads on both. The cache is float32 (CPUs
     without bf16 run vLLM so; it once logged an error and ran without offload): one engine start
     checks both."""
-    daemons = [DaemonProcess(tmp_path / f"rank{r}", free_port(), free_port()).start() for r in range(2)]
-    mod = _load_engine_module()
-    model = mod.make_model_dir(str(tmp_path / "model"), LAYERS, HIDDEN, HEADS, KV_HEADS, 512, 1024)
-    script = tmp_path / "tp_engine.py"
-    script.write_text(TP_ENGINE % {"block": BLOCK, "block_bytes": BLOCK_BYTES, "tokens": PROMPT_TOKENS})
-    env = vllm_env()
-    log = tmp_path / "engine.log"
+    daemons, work = tp_run.daemons, tp_run.work
     try:
-        with open(log, "wb") as out:
-            done = subprocess.run([vllm_python, str(script), model, ",".join(d.endpoint for d in daemons)],
-                                  stdout=out, stderr=subprocess.STDOUT, env=env, timeout=900)
-        text = log.read_text(errors="replace")
-        assert done.returncode == 0, text[-3000:]
+        code, text = tp_run.finish(timeout_s=900)
+        assert code == 0, text[-3000:]
         result = json.loads(text.split("@@result ", 1)[1].splitlines()[0])
         assert result["first"] == 0 and result["again"] == STORED
         assert result["tokens"][0] == result["tokens"][1]
         loaded = [d.metric("kvswap_blocks_total", op="swap_in", status="loaded") for d in daemons]
         assert loaded == [STORED // BLOCK] * 2
         # Each rank registered its own half: two namespaces (tp_rank 0 and 1), one per daemon.
-        namespaces = [{p.name for p in (tmp_path / f"rank{r}").iterdir() if len(p.name) == 32} for r in range(2)]
+        namespaces = [{p.name for p in (work / f"rank{r}").iterdir() if len(p.name) == 32} for r in range(2)]
         assert all(len(n) == 1 for n in namespaces) and namespaces[0] != namespaces[1]
         assert "running without offload" not in text
     finally:
@@ -298,6 +348,6 @@ def test_tensor_parallel_ranks_each_load_from_their_own_daemon_with_a_float32_ca
     # Four bytes an element, half the heads a rank: each record holds a bf16 block's bytes (plus
     # its header), on each rank.
     for r in range(2):
-        records = list((tmp_path / f"rank{r}").rglob("*.kvr"))
+        records = list((work / f"rank{r}").rglob("*.kvr"))
         assert len(records) >= STORED // BLOCK
         assert all(BLOCK_BYTES < f.stat().st_size <= BLOCK_BYTES + 8192 for f in records)
