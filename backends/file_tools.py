@@ -642,6 +642,16 @@ def _gc_slabs(root: str, slab_candidates: list[tuple[float, str, Any, int]], fil
     file_times = sorted(e.mtime for e in files)
     chosen: dict[str, list[Any]] = {}
     editors: dict[str, slab_tools.SlabEditor] = {}
+    if not dry_run:
+        # Slots allocated ahead and never written, or freed by evictions, count as the slab's
+        # bytes: give them back first, then see what is still over.
+        for ns in sorted({c[1] for c in slab_candidates}):
+            editor = editors.setdefault(ns, slab_tools.SlabEditor(root, ns))
+            for path in sorted({c[2].slab_path for c in slab_candidates if c[1] == ns}):
+                if editor.can_edit(path):
+                    before = slab_tools.disk_bytes(path)
+                    editor.give_back(path)
+                    total -= before - slab_tools.disk_bytes(path)
     try:
         for when, ns, rec, slot in slab_candidates:
             tick(1)

@@ -46,6 +46,7 @@ its chain-order stamp and heap entry, its location here and its slot's name refe
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import heapq
 import logging
@@ -54,7 +55,7 @@ import secrets
 import threading
 import time
 from collections import Counter
-from typing import Any, Final, Iterable, Sequence
+from typing import Any, Final, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -116,6 +117,8 @@ class Slab:
         self.live = 0
         #: Entries a compaction carried over beside the live puts (frees of others' slots).
         self.carried = 0
+        #: The journal's size when its closed store let it go (see SlabStore._reopen).
+        self.closed_at = -1
 
     @property
     def owned(self) -> bool:
@@ -162,6 +165,9 @@ class SlabStore(FileStore):
         self._foreign_frees: dict[int, tuple[int, str]] = {}
         self._dir_mtime = 0
         self._legacy_scan_done = False
+        #: Reads and writes using slab descriptors now, and whether close() waits for them.
+        self._in_io = 0
+        self._closing = False
         super().__init__(backend, namespace, description, record_bytes)
         # Page-aligned slots where the header is a page (records of 64 KiB and more: O_DIRECT
         # moves them in place); small records pack at 256 bytes, which O_DIRECT never takes.
@@ -586,7 +592,7 @@ class SlabStore(FileStore):
                 continue
             entry = journal.Entry(journal.FREE, slab.id, slot, int(slab.gens[slot]), 0, bytes.fromhex(name))
             target = slab if slab.owned else self._primary
-            assert target is not None and target.journal_fd is not None
+            assert target is not None
             by_journal.setdefault(target.index, []).append(entry.encode())
             if target is not slab:
                 self._foreign_frees[key] = (int(slab.gens[slot]), name)
@@ -600,23 +606,35 @@ class SlabStore(FileStore):
                 self._count(count, 1)
         for index, encoded in by_journal.items():
             target = self._by_index[index]
-            assert target.journal_fd is not None
+            if target.journal_fd is None:
+                continue  # the store is closed: the slots stay named, a later owner frees them
             self.disk.append(target.journal_fd, b"".join(encoded), durable=self.disk.fsync == "strict")
             target.entries += len(encoded)
 
     # -- where records lie (FileStore's hooks) ----------------------------------------------------
 
     def _write_record(self, name: str, header: memoryview | bytes, payload: memoryview, stamp: int) -> int:
-        for attempt in (1, 2):
-            try:
-                slab, slot = self._take_slot()
-            except OSError as exc:
-                if exc.errno in _SPACE_ERRNOS and attempt == 1 and self.is_leader:
-                    self._count("enospc_retries", 1)
-                    if self.evict(2 * self.slot_bytes, "enospc"):
-                        continue
-                raise _io_error(exc, "grow a slab", self.slab_dir) from None
-            break
+        try:
+            self._io_enter()  # the slot's write and its journal entry, before close() lets go of them
+        except OSError as exc:
+            raise _io_error(exc, "write a record", self.slab_dir) from None
+        try:
+            for attempt in (1, 2):
+                try:
+                    slab, slot = self._take_slot()
+                except OSError as exc:
+                    if exc.errno in _SPACE_ERRNOS and attempt == 1 and self.is_leader:
+                        self._count("enospc_retries", 1)
+                        if self.evict(2 * self.slot_bytes, "enospc"):
+                            continue
+                    raise _io_error(exc, "grow a slab", self.slab_dir) from None
+                break
+            return self._publish(slab, slot, name, header, payload, stamp)
+        finally:
+            self._io_exit()
+
+    def _publish(self, slab: Slab, slot: int, name: str, header: memoryview | bytes, payload: memoryview,
+                 stamp: int) -> int:
         assert slab.fd is not None
         try:
             self.disk.write_at(slab.fd, slab.direct_fd, [header, payload], slot * self.slot_bytes)
@@ -648,7 +666,8 @@ class SlabStore(FileStore):
                 self._lose(held, name)
             self._where[name] = key
             slab.live += 1
-        self._maybe_compact(slab)
+        if not self._closing:
+            self._maybe_compact(slab)
         return self.slot_bytes
 
     def _remove_record(self, name: str) -> bool:
@@ -677,7 +696,8 @@ class SlabStore(FileStore):
                 by_journal.setdefault(target.index, []).append(entry.encode())
             for index, encoded in by_journal.items():
                 target = self._by_index[index]
-                assert target.journal_fd is not None
+                if target.journal_fd is None:
+                    continue
                 try:
                     self.disk.append(target.journal_fd, b"".join(encoded), durable=False)
                 except OSError:
@@ -748,7 +768,8 @@ class SlabStore(FileStore):
             try:
                 self._ensure_data_fd(slab)
                 assert slab.fd is not None
-                n = self.disk.read_at(slab.fd, slab.direct_fd, [header_buf, out], slot * self.slot_bytes)
+                with self._io():
+                    n = self.disk.read_at(slab.fd, slab.direct_fd, [header_buf, out], slot * self.slot_bytes)
             except OSError as exc:
                 raise _io_error(exc, "read a record", slab.path) from None
             try:
@@ -827,10 +848,65 @@ class SlabStore(FileStore):
         return {"records": len(self.index), "bytes": self.index.bytes}
 
     def close(self) -> None:
+        """Give up the eviction lock for good, and the slabs (descriptors, locks: a restart or
+        another daemon may adopt them) once no write is in one: never under a write (closing
+        under one made it fail with EBADF, or write into whatever file reused the number). A
+        write the daemon queued before it closed the store takes its slab back for that write
+        if nobody adopted it meanwhile (:meth:`_reopen`)."""
         super().close()
         with self._lock:
-            for slab in self._by_index:
-                slab.close()
+            self._closing = True
+            if not self._in_io:
+                self._close_owned()
+
+    def _close_owned(self) -> None:
+        for slab in self._by_index:
+            if slab.journal_fd is not None:
+                slab.closed_at = os.fstat(slab.journal_fd).st_size
+            slab.close()
+
+    def _reopen(self) -> None:
+        """(closed store, under ``_lock``) Take the primary slab back for one more write: only
+        if its lock is free and its journal is as this store left it."""
+        slab = self._primary
+        assert slab is not None
+        if slab.owned:
+            return
+        fd = try_flock(slab.lock_path)
+        if fd is None:
+            raise OSError(errno.EBADF, "the store is closed and its slab was adopted")
+        try:
+            journal_fd = os.open(slab.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            os.close(fd)
+            raise
+        if os.fstat(journal_fd).st_size != slab.closed_at:
+            os.close(journal_fd)
+            os.close(fd)
+            raise OSError(errno.EBADF, "the store is closed and its slab changed since")
+        slab.lock_fd, slab.journal_fd = fd, journal_fd
+        slab.fd, slab.direct_fd = self.disk.open_slab(slab.path, writable=True)
+
+    @contextlib.contextmanager
+    def _io(self) -> Iterator[None]:
+        """A read of a slot (a closed store reads through a read-only descriptor)."""
+        self._io_enter(write=False)
+        try:
+            yield
+        finally:
+            self._io_exit()
+
+    def _io_enter(self, write: bool = True) -> None:
+        with self._lock:
+            if self._closing and write:
+                self._reopen()
+            self._in_io += 1
+
+    def _io_exit(self) -> None:
+        with self._lock:
+            self._in_io -= 1
+            if self._closing and not self._in_io:
+                self._close_owned()
 
     def free_bytes(self) -> int | None:
         """Free bytes for records: the file system's plus this daemon's free slots (slab files
@@ -863,7 +939,11 @@ class SlabStore(FileStore):
             self.index.merge_scanned(legacy)
             self._count("legacy_records", len(legacy))
         if self.events.enabled:
-            self._learn_keys([(name, self.slot_bytes, 0) for name in list(self._where)])
+            replayed = [name for name, key in list(self._where.items()) if key != LEGACY]
+            self._learn_keys([(name, self.slot_bytes, 0) for name in replayed])
+            # The journals were replayed when the store opened, before it was watched: announce
+            # those records now that their keys are known (the old layout's went in merge_scanned).
+            self.entered(replayed)
         self._legacy_scan_done = True
         self.scan_seconds = time.monotonic() - started
         self._last_rescan = time.monotonic()

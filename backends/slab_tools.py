@@ -141,10 +141,10 @@ class SlabEditor:
             finally:
                 os.close(fd)
             freed += len(mine)
-            self._give_back(path)
+            self.give_back(path)
         return freed
 
-    def _give_back(self, path: str) -> None:
+    def give_back(self, path: str) -> None:
         """Punch every free slot of a slab out and cut its free tail."""
         slot = self.slot_bytes.get(path)
         if not slot:
