@@ -316,7 +316,7 @@ def open_backends(config: Any) -> dict[str, Backend]:
         # (one copy on a hit).
         backends["host"] = RamBackend(config.host_tier_bytes)
     backends["file"] = FileBackend(
-        config.storage_dir, fsync=config.fsync, direct_io=config.direct_io,
+        config.storage_dir, fsync=config.fsync, direct_io=config.direct_io, layout=config.file_layout,
         capacity=Capacity(config.storage_max_bytes, config.storage_min_free_bytes),
         rescan_interval_s=config.storage_rescan_interval_s)
     if config.remote_url:
