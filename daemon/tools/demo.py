@@ -99,7 +99,7 @@ def run_demo(storage_dir: str, preset: str = "small", blocks: int = 128, linger_
         say("")
         say(f"swap_out is {out_s / file_w_s:.1f}x the time of one plain file write and "
             f"{out_s / copy_s:.0f}x a memory copy; it also gathers {len(layout.regions)} regions per block, "
-            f"checksums and writes {blocks} files via temp+rename")
+            f"checksums and writes {blocks} records (one positioned write each, into the file tier's slab slots)")
         say(f"lookup   {hits} of {blocks} keys stored")
         say(f"metrics  {daemon.metrics_url}")
         for series, value in sorted(counters.items()):
