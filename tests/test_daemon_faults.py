@@ -1,5 +1,8 @@
 """Faults injected at the file-system seam of a daemon running in this process, driven by the
-real client over a real socket."""
+real client over a real socket. The faults are injected where the files layout writes and reads
+(``Disk.write_file``, ``Disk.read_file``), so these daemons run ``file_layout="files"``; the slab
+layout's seam (``Disk.write_at``, ``read_at``, ``grow``, ``append``) is faulted in
+tests/test_slab_store.py."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from support import GatedWrites, InProcessDaemon, wait_until
 
 
 def test_swap_in_of_a_key_still_being_written_returns_its_data(tmp_path: Path, cache: HostKVCache) -> None:
-    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", file_layout="files") as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         with GatedWrites(d.daemon.file_backend.disk) as gate:  # opened on the way out, even when a check fails
             expected = [cache.block_record(b) for b in (3, 4)]
@@ -39,7 +42,7 @@ def test_swap_in_of_a_key_still_being_written_returns_its_data(tmp_path: Path, c
 
 def test_full_disk_is_a_typed_status_and_reads_keep_working(tmp_path: Path, cache: HostKVCache) -> None:
     # No RAM tier: a record the disk refused must not be found anywhere.
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         assert wait_until(lambda: c.stats()["tiers"]["file"]["leader"])  # evicts once its scan is done
         c.swap_out(list(range(10, 20)), [f"old-{i}" for i in range(10)], wait="persisted")
@@ -81,7 +84,7 @@ def test_full_disk_is_a_typed_status_and_reads_keep_working(tmp_path: Path, cach
 
 def test_read_errors_are_per_key_statuses(tmp_path: Path, cache: HostKVCache) -> None:
     # No RAM tier: the reads must reach the failing disk.
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         c.swap_out([0, 1], ["r0", "r1"], wait="persisted")
         disk = d.daemon.file_backend.disk
@@ -104,7 +107,7 @@ def test_read_errors_are_per_key_statuses(tmp_path: Path, cache: HostKVCache) ->
 
 
 def test_a_stuck_write_times_out_with_an_answer(tmp_path: Path, cache: HostKVCache) -> None:
-    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", file_layout="files") as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         with GatedWrites(d.daemon.file_backend.disk) as gate:  # opened on the way out, even when a check fails
             with pytest.raises(Timeout) as err:
@@ -118,7 +121,7 @@ def test_a_stuck_write_times_out_with_an_answer(tmp_path: Path, cache: HostKVCac
 
 def test_full_write_staging_answers_busy(tmp_path: Path, cache: HostKVCache) -> None:
     record = cache.layout.record_bytes
-    with InProcessDaemon(tmp_path / "s", write_staging_bytes=4 * max(record, 4096)) as d, \
+    with InProcessDaemon(tmp_path / "s", file_layout="files", write_staging_bytes=4 * max(record, 4096)) as d, \
             Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         with GatedWrites(d.daemon.file_backend.disk) as gate:  # opened on the way out, even when a check fails
@@ -135,7 +138,7 @@ def test_full_write_staging_answers_busy(tmp_path: Path, cache: HostKVCache) -> 
 
 def test_partial_swap_out_stores_what_fits_and_says_which(tmp_path: Path, cache: HostKVCache) -> None:
     record = cache.layout.record_bytes
-    with InProcessDaemon(tmp_path / "s", write_staging_bytes=3 * max(record, 4096)) as d, \
+    with InProcessDaemon(tmp_path / "s", file_layout="files", write_staging_bytes=3 * max(record, 4096)) as d, \
             Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         with GatedWrites(d.daemon.file_backend.disk) as gate:  # opened on the way out, even when a check fails
@@ -166,7 +169,7 @@ def test_a_register_of_another_size_that_fails_leaves_the_current_engine_swappin
             raise IOFailure("no space left on device (injected)")
         return opened(self, namespace, description, record_bytes)
 
-    with HostKVCache.create(first) as a, HostKVCache.create(second) as b, InProcessDaemon(tmp_path / "s") as d, \
+    with HostKVCache.create(first) as a, HostKVCache.create(second) as b, InProcessDaemon(tmp_path / "s", file_layout="files") as d, \
             Client(d.endpoint, timeout=10) as c:
         a.fill_random(1)
         c.register(a)
