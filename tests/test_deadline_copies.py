@@ -232,7 +232,7 @@ def test_a_swap_out_answered_at_its_deadline_stores_only_bytes_copied_before(
         tmp_path: Path, cache: HostKVCache, copy_path: str, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
         at: int) -> None:
     original = [cache.block_record(b) for b in SOURCE]
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0, read_threads=1) as d, \
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0, read_threads=1) as d, \
             Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         held = Held(d, copy_path, monkeypatch)
@@ -306,7 +306,7 @@ def _file_hits(d: InProcessDaemon) -> float:
 def test_a_swap_in_from_the_file_tier_writes_nothing_after_its_answer(
         tmp_path: Path, cache: HostKVCache, copy_path: str, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
         at: int) -> None:
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0, read_threads=1) as d, \
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0, read_threads=1) as d, \
             Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         _swap_in_case(d, c, cache, Held(d, copy_path, monkeypatch), at, _persisted(c))
@@ -316,7 +316,7 @@ def test_a_swap_in_from_the_file_tier_writes_nothing_after_its_answer(
 def test_a_swap_in_of_ram_hits_writes_nothing_after_its_answer(
         tmp_path: Path, cache: HostKVCache, copy_path: str, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
         at: int) -> None:
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=1 << 22, read_threads=1) as d, \
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=1 << 22, read_threads=1) as d, \
             Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         _swap_in_case(d, c, cache, Held(d, copy_path, monkeypatch), at, _persisted(c))
@@ -327,7 +327,7 @@ def test_a_swap_in_of_ram_hits_writes_nothing_after_its_answer(
 def test_a_swap_in_of_writes_in_flight_writes_nothing_after_its_answer(
         tmp_path: Path, cache: HostKVCache, copy_path: str, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
         at: int) -> None:
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0, read_threads=1) as d, \
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0, read_threads=1) as d, \
             Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         held = Held(d, copy_path, monkeypatch)
@@ -354,7 +354,7 @@ def test_a_swap_in_waiting_on_one_write_in_flight_survives_another_being_dropped
     its slot. The second key is a miss, the first loads; the swap_in must not touch the freed
     slot (it raised 'retain of a slot nobody holds' and answered internal)."""
     original = [cache.block_record(b) for b in SOURCE]
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0, read_threads=1) as d, \
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0, read_threads=1) as d, \
             Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         held = Held(d, copy_path, monkeypatch)
@@ -383,7 +383,7 @@ def test_a_flush_after_a_timed_out_swap_out_waits_for_the_records_it_copied(
     (it used to find no write task yet and answer at once, with the records unwritten). The
     copy thread is held after submitting the first chunk until the flush has arrived."""
     original = [cache.block_record(b) for b in SOURCE]
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0, read_threads=1) as d, \
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0, read_threads=1) as d, \
             Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         swapper = d.daemon.swapper
