@@ -659,8 +659,9 @@ def test_writes_in_flight_keep_their_slots_across_a_register_with_another_record
             # The register replaces the pool, then waits for the old registration's requests.
             with ThreadPoolExecutor(1) as runner:
                 registered = runner.submit(_register, d.endpoint, small)
-                assert wait_until(lambda: staging.arena is not old)
-                assert old.retired and not old.unmapped
+                # Retired just after it is replaced (on the register's thread): wait for both.
+                assert wait_until(lambda: staging.arena is not old and old.retired)
+                assert not old.unmapped
                 gate.gate.set()
                 assert registered.result(timeout=30)["record_bytes"] == other.record_bytes
             assert wait_until(lambda: old.unmapped)
