@@ -58,7 +58,7 @@ def persisted_swap_out(client: Client, block: int, key: str, timeout: float = 10
 
 
 def test_one_client_cannot_hold_more_than_its_share(tmp_path: Path, cache: HostKVCache) -> None:
-    with InProcessDaemon(tmp_path / "s", max_inflight_per_client=4) as d, \
+    with InProcessDaemon(tmp_path / "s", file_layout="files", max_inflight_per_client=4) as d, \
             Client(d.endpoint, timeout=10) as greedy, Client(d.endpoint, timeout=10) as other:
         greedy.register(cache)
         held = HeldDisk(d.daemon.file_backend.disk, "write_file")
@@ -79,7 +79,7 @@ def test_one_client_cannot_hold_more_than_its_share(tmp_path: Path, cache: HostK
 
 
 def test_the_daemon_wide_limit_answers_busy_to_everyone(tmp_path: Path, cache: HostKVCache) -> None:
-    with InProcessDaemon(tmp_path / "s", max_inflight_requests=3) as d, \
+    with InProcessDaemon(tmp_path / "s", file_layout="files", max_inflight_requests=3) as d, \
             Client(d.endpoint, timeout=10) as a, Client(d.endpoint, timeout=10) as b:
         a.register(cache)
         held = HeldDisk(d.daemon.file_backend.disk, "write_file")
@@ -96,7 +96,7 @@ def test_the_daemon_wide_limit_answers_busy_to_everyone(tmp_path: Path, cache: H
 def test_shutdown_answers_unfinished_requests_unavailable_and_keeps_their_writes(
         tmp_path: Path, cache: HostKVCache) -> None:
     expected = cache.block_record(5)
-    daemon = InProcessDaemon(tmp_path / "s", drain_timeout_s=0.5)
+    daemon = InProcessDaemon(tmp_path / "s", file_layout="files", drain_timeout_s=0.5)
     with daemon as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         held = HeldDisk(d.daemon.file_backend.disk, "write_file")
@@ -111,7 +111,7 @@ def test_shutdown_answers_unfinished_requests_unavailable_and_keeps_their_writes
         with pytest.raises(Unavailable):
             c.wait(stuck, timeout=5)
         held.gate.set()  # the write was copied before shutdown: it still lands
-    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", file_layout="files") as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         cache.zero_blocks([6])
         assert c.swap_in(["late"], [6]).loaded == 1
@@ -120,7 +120,7 @@ def test_shutdown_answers_unfinished_requests_unavailable_and_keeps_their_writes
 
 def test_a_slow_read_times_out_with_an_answer_and_never_writes_late(tmp_path: Path, cache: HostKVCache) -> None:
     # No RAM tier: the read must come from the (slow) disk.
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         c.swap_out([1], ["slow"], wait="persisted")
         expected = cache.block_record(1)
@@ -186,7 +186,7 @@ def test_a_record_larger_than_staging_is_refused_before_anything_is_allocated(tm
     of huge records made the daemon allocate (and touch) two staging slots that large."""
     huge = CacheLayout("huge-records", num_layers=1, num_blocks=1, block_size=1, num_kv_heads=1,
                        head_dim=1024 * 1024, dtype="float16")  # 4 MiB records (k and v)
-    with InProcessDaemon(tmp_path / "s", write_staging_bytes=1 << 20, read_staging_bytes=2 << 20) as d, \
+    with InProcessDaemon(tmp_path / "s", file_layout="files", write_staging_bytes=1 << 20, read_staging_bytes=2 << 20) as d, \
             HostKVCache.create(huge) as cache, Client(d.endpoint, timeout=10) as c:
         with pytest.raises(InvalidLayout) as err:
             c.register(cache)
@@ -202,7 +202,7 @@ def test_decoded_requests_in_flight_are_bounded_in_bytes(tmp_path: Path, cache: 
     when the requests are answered and freed."""
     budget = 1024 * 1024
     share = budget // 4
-    with InProcessDaemon(tmp_path / "s", max_inflight_request_bytes=budget) as d, \
+    with InProcessDaemon(tmp_path / "s", file_layout="files", max_inflight_request_bytes=budget) as d, \
             Client(d.endpoint, timeout=10) as greedy, Client(d.endpoint, timeout=10) as other:
         greedy.register(cache)
         held = HeldDisk(d.daemon.file_backend.disk, "write_file")
@@ -245,7 +245,7 @@ def test_replies_a_connection_does_not_read_count_against_its_share(tmp_path: Pa
     budget = 8 * 1024 * 1024
     share = budget // 4
     keys = tuple(f"k{i}" for i in range(blocks))
-    with HostKVCache.create(layout) as cache, InProcessDaemon(tmp_path / "s", max_inflight_request_bytes=budget) as d, \
+    with HostKVCache.create(layout) as cache, InProcessDaemon(tmp_path / "s", file_layout="files", max_inflight_request_bytes=budget) as d, \
             Client(d.endpoint, timeout=30) as engine:
         engine.register(cache)
         assert engine.swap_out(list(range(blocks)), list(keys), wait="persisted").stored == blocks

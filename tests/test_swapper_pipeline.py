@@ -30,7 +30,7 @@ def metric(d: InProcessDaemon, name: str, **labels: str) -> float:
 
 def test_swap_out_answers_every_key_and_counts_blocks_and_bytes(tmp_path: Path, cache: HostKVCache) -> None:
     record = cache.layout.record_bytes
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         assert c.swap_out([0], ["a"], wait="persisted").status == ["stored"]
         out = c.swap_out([0, 1, 2, 1], ["a", "b", "c", "b"], wait="persisted")
@@ -61,7 +61,7 @@ def test_swap_out_answers_every_key_and_counts_blocks_and_bytes(tmp_path: Path, 
 
 def test_swap_in_and_lookup_count_what_they_found(tmp_path: Path, cache: HostKVCache) -> None:
     record = cache.layout.record_bytes
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         assert c.swap_out([0, 1, 2], ["a", "b", "c"], wait="persisted").stored == 3
         cache.zero_blocks([10, 11, 12])
@@ -80,11 +80,11 @@ def test_swap_in_and_lookup_count_what_they_found(tmp_path: Path, cache: HostKVC
 
 def test_lookup_asks_the_directory_for_keys_the_index_does_not_know(tmp_path: Path, cache: HostKVCache) -> None:
     root = tmp_path / "s"
-    with InProcessDaemon(root, host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(root, file_layout="files", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         assert c.swap_out([0], ["mine"], wait="persisted").stored == 1
         namespace = cache.layout.fingerprint()
-        neighbour = FileBackend(str(root)).open_store(namespace, cache.layout.to_wire(), cache.layout.record_bytes)
+        neighbour = FileBackend(str(root), layout="files").open_store(namespace, cache.layout.to_wire(), cache.layout.record_bytes)
         neighbour.put("theirs", memoryview(cache.block_record(5)))  # another daemon sharing the directory
         neighbour.put("also-theirs", memoryview(cache.block_record(6)))
         assert c.lookup(["mine", "theirs", "also-theirs", "nobody"]) == 3
@@ -95,7 +95,7 @@ def test_lookup_asks_the_directory_for_keys_the_index_does_not_know(tmp_path: Pa
 
 def test_failed_writes_are_one_log_line_per_request_and_counted_by_code(tmp_path: Path, cache: HostKVCache,
                                                                          caplog: pytest.LogCaptureFixture) -> None:
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         disk = d.daemon.file_backend.disk
 
@@ -122,7 +122,7 @@ def test_failed_writes_are_one_log_line_per_request_and_counted_by_code(tmp_path
 
 def test_stats_describe_the_registration_its_tiers_and_staging(tmp_path: Path, cache: HostKVCache) -> None:
     host_bytes = 1 << 20
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=host_bytes) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=host_bytes) as d, Client(d.endpoint, timeout=10) as c:
         assert c.stats()["registered"] is False and "registration" not in c.stats()
         assert {t: metric(d, "kvswap_stored_records", tier=t) for t in ("host", "file")} == {"host": 0, "file": 0}
         assert metric(d, "kvswap_stored_bytes", tier="file") == 0
@@ -145,7 +145,7 @@ def test_stats_describe_the_registration_its_tiers_and_staging(tmp_path: Path, c
 
 
 def test_a_delete_waits_for_the_write_in_flight_and_is_not_undone(tmp_path: Path, cache: HostKVCache) -> None:
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         with GatedWrites(d.daemon.file_backend.disk) as gate:  # opened on the way out, even when a check fails
             assert c.swap_out([0, 1], ["k", "other"]).queued == 2
@@ -160,7 +160,7 @@ def test_a_delete_waits_for_the_write_in_flight_and_is_not_undone(tmp_path: Path
 
 
 def test_clear_waits_for_pending_writes_and_counts_what_it_removed(tmp_path: Path, cache: HostKVCache) -> None:
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         with GatedWrites(d.daemon.file_backend.disk) as gate:  # opened on the way out, even when a check fails
             assert c.swap_out([0, 1, 2], ["a", "b", "c"]).queued == 3
@@ -173,7 +173,7 @@ def test_clear_waits_for_pending_writes_and_counts_what_it_removed(tmp_path: Pat
 
 def test_a_tier_that_fails_a_delete_is_logged_and_the_others_answer(tmp_path: Path, cache: HostKVCache,
                                                                      caplog: pytest.LogCaptureFixture) -> None:
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=1 << 20) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=1 << 20) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         assert c.swap_out([0, 1], ["a", "b"], wait="persisted").stored == 2
 
@@ -190,7 +190,7 @@ def test_a_tier_that_fails_a_delete_is_logged_and_the_others_answer(tmp_path: Pa
 def test_a_swap_in_larger_than_a_read_wave_loads_every_block(tmp_path: Path, cache: HostKVCache) -> None:
     record = cache.layout.record_bytes
     slot = -(-record // 4096) * 4096
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0, read_staging_bytes=4 * slot) as d, \
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0, read_staging_bytes=4 * slot) as d, \
             Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         assert c.stats()["read_staging"]["slots"] == 4  # waves of two keys
@@ -205,7 +205,7 @@ def test_a_swap_in_larger_than_a_read_wave_loads_every_block(tmp_path: Path, cac
 
 
 def test_requests_that_need_a_registration_say_so_before_one_exists(tmp_path: Path) -> None:
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         for call in (lambda: c.lookup(["a"]), lambda: c.delete(["a"]), c.clear):
             with pytest.raises(NotRegistered) as err:
                 call()
@@ -229,7 +229,7 @@ def test_a_shrunk_segment_releases_the_registration_with_one_log_line(tmp_path: 
     try:
         cache.fill_random(4)
         expected = cache.block_record(0)
-        with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
+        with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
             c.register(cache)
             assert c.swap_out([0], ["s0"], wait="persisted").stored == 1
             _truncate(cache, 4096)
@@ -261,7 +261,7 @@ def test_a_shrunk_segment_releases_the_registration_with_one_log_line(tmp_path: 
 def test_a_lookup_renews_its_hit_prefix_so_eviction_takes_an_older_chain(tmp_path: Path, cache: HostKVCache) -> None:
     per_file = record.header_len_for(cache.layout.record_bytes) + cache.layout.record_bytes
     # One read thread: the lookup's touch runs before the next request's work on that thread.
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0, storage_max_bytes=4 * per_file,
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0, storage_max_bytes=4 * per_file,
                          read_threads=1) as d, \
             Client(d.endpoint, timeout=10) as c:
         c.register(cache)
@@ -275,7 +275,7 @@ def test_a_lookup_renews_its_hit_prefix_so_eviction_takes_an_older_chain(tmp_pat
 
 def test_a_failed_touch_of_a_hit_prefix_is_logged_and_the_answers_stand(tmp_path: Path, cache: HostKVCache,
                                                                          caplog: pytest.LogCaptureFixture) -> None:
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         assert c.swap_out([0], ["a"], wait="persisted").stored == 1
         tiers = d.daemon.swapper.registration.tiers
@@ -301,7 +301,7 @@ def test_a_failed_touch_of_a_hit_prefix_is_logged_and_the_answers_stand(tmp_path
 
 def test_a_record_read_after_its_deadline_is_not_scattered_and_counts_as_an_error(tmp_path: Path,
                                                                                    cache: HostKVCache) -> None:
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         assert c.swap_out([1], ["slow"], wait="persisted").stored == 1
         disk = d.daemon.file_backend.disk
@@ -348,7 +348,7 @@ class RecordingScatter:
 def test_a_batching_mover_gets_a_wave_in_one_scatter_and_another_one_record_at_a_time(
         tmp_path: Path, cache: HostKVCache, batches: bool) -> None:
     empty = bytes(cache.layout.record_bytes)
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         assert c.swap_out([0, 1, 2], ["a", "b", "c"], wait="persisted").stored == 3
         scatter = RecordingScatter(d.daemon.swapper.registration.mover, batches)
@@ -372,7 +372,7 @@ def test_a_batching_mover_gets_a_wave_in_one_scatter_and_another_one_record_at_a
 
 def test_a_swap_in_whose_registration_is_released_meanwhile_says_so_and_writes_nothing(
         tmp_path: Path, cache: HostKVCache) -> None:
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         assert c.swap_out([0], ["a"], wait="persisted").stored == 1
         registration = d.daemon.swapper.registration
@@ -404,7 +404,7 @@ def test_a_swap_in_whose_registration_is_released_meanwhile_says_so_and_writes_n
 def test_stats_name_a_remote_tiers_url(tmp_path: Path, cache: HostKVCache) -> None:
     pytest.importorskip("redis", reason=f"the redis client is not installed ({INSTALLED_BY_TEST_SETUP})")
     url = "redis://127.0.0.1:1/0"  # nothing listens there: the tier is configured, not reachable
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0, remote_url=url) as d, \
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0, remote_url=url) as d, \
             Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         tiers = c.stats()["tiers"]
@@ -414,7 +414,7 @@ def test_stats_name_a_remote_tiers_url(tmp_path: Path, cache: HostKVCache) -> No
 
 def test_each_record_of_a_swap_out_is_written_once_across_its_gather_chunks(tmp_path: Path,
                                                                             cache: HostKVCache) -> None:
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         disk = d.daemon.file_backend.disk
         real_write = disk.write_file
@@ -444,7 +444,7 @@ def test_a_bug_in_the_write_path_answers_internal_and_frees_every_slot(tmp_path:
     def broken(tiers, items):
         raise RuntimeError("a bug")
 
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         slots = c.stats()["write_staging"]["slots"]
         monkeypatch.setattr(swapper_module, "_write_chunk", broken)
@@ -468,7 +468,7 @@ def test_a_deadline_counts_down_to_zero_and_an_expired_one_is_dead_at_once() -> 
 
 def test_a_write_that_raises_a_bug_is_internal_for_its_record_alone(tmp_path: Path, cache: HostKVCache,
                                                                      caplog: pytest.LogCaptureFixture) -> None:
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         assert c.swap_out([0], ["head"], wait="persisted").stored == 1
         tiers = d.daemon.swapper.registration.tiers
@@ -489,7 +489,7 @@ def test_a_write_that_raises_a_bug_is_internal_for_its_record_alone(tmp_path: Pa
 
 def test_copies_reads_and_writes_run_on_their_own_named_threads(tmp_path: Path, cache: HostKVCache) -> None:
     threads: dict[str, set[str]] = {"write": set(), "read": set(), "copy": set()}
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0, write_threads=2, read_threads=3) as d, \
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0, write_threads=2, read_threads=3) as d, \
             Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         disk = d.daemon.file_backend.disk
@@ -530,7 +530,7 @@ def test_copies_reads_and_writes_run_on_their_own_named_threads(tmp_path: Path, 
 
 def test_the_failure_line_names_the_four_commonest_kinds_only(tmp_path: Path, cache: HostKVCache,
                                                               caplog: pytest.LogCaptureFixture) -> None:
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         tiers = d.daemon.swapper.registration.tiers
 
@@ -551,12 +551,12 @@ def test_upkeep_evicts_what_other_writers_stored_past_the_cap(tmp_path: Path, ca
     root = tmp_path / "s"
     record_bytes = cache.layout.record_bytes
     per_file = record.header_len_for(record_bytes) + record_bytes
-    with InProcessDaemon(root, host_tier_bytes=0, storage_max_bytes=10 * per_file, storage_rescan_interval_s=0.05,
+    with InProcessDaemon(root, file_layout="files", host_tier_bytes=0, storage_max_bytes=10 * per_file, storage_rescan_interval_s=0.05,
                          maintenance_interval_s=0.05) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         assert wait_until(lambda: c.stats()["tiers"]["file"]["leader"])
         # Another daemon sharing the directory, not the evicting one: it writes past the cap.
-        neighbour = FileBackend(str(root)).open_store(cache.layout.fingerprint(), cache.layout.to_wire(), record_bytes)
+        neighbour = FileBackend(str(root), layout="files").open_store(cache.layout.fingerprint(), cache.layout.to_wire(), record_bytes)
         for i in range(12):
             neighbour.put(f"n{i}", memoryview(cache.block_record(i)))
         # The daemon's background pass rescans, sees 12 records, and evicts down to the low watermark.
@@ -566,7 +566,7 @@ def test_upkeep_evicts_what_other_writers_stored_past_the_cap(tmp_path: Path, ca
 
 def test_ram_hits_are_scattered_from_their_slots_and_counted_as_host_reads(tmp_path: Path, cache: HostKVCache) -> None:
     record_bytes = cache.layout.record_bytes
-    with InProcessDaemon(tmp_path / "s", host_tier_bytes=1 << 22) as d, Client(d.endpoint, timeout=10) as c:
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=1 << 22) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         assert c.swap_out([0, 1, 2], ["a", "b", "c"], wait="persisted").stored == 3
         hits = metric(d, "kvswap_tier_ops_total", tier="host", op="get", result="hit")
