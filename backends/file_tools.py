@@ -31,7 +31,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Final, Iterator
 
-import xxhash
 
 from kvswap.protocol.errors import Corrupt, KvswapError
 from kvswap.protocol.layout import CacheLayout
@@ -426,16 +425,10 @@ def check_record(path: str, namespace: str, record_bytes: int | None = None,
             raise Corrupt("record stored under another key's name", key=header.key)
         if size != header.header_len + header.payload_len:
             raise Corrupt("record has the wrong size", size=size)
-        digest = xxhash.xxh3_64()
-        chunk = memoryview(bytearray(min(CHUNK_BYTES, header.payload_len)))
-        offset, end = header.header_len, size
-        while offset < end:
-            n = os.preadv(fd, [chunk[: min(len(chunk), end - offset)]], offset)
-            if n <= 0:
-                raise Corrupt("the file changed while it was read", size=offset)
-            digest.update(chunk[:n])
-            offset += n
-        if digest.intdigest() != header.checksum:
+        checksum = record.checksum_at(fd, header.header_len, size - header.header_len, CHUNK_BYTES)
+        if checksum is None:
+            raise Corrupt("the file changed while it was read")
+        if checksum != header.checksum:
             raise Corrupt("payload checksum mismatch")
     finally:
         os.close(fd)

@@ -30,6 +30,7 @@ announces records under the same names. Readers that do not look for it are unaf
 
 from __future__ import annotations
 
+import os
 import struct
 import time
 from dataclasses import dataclass
@@ -73,6 +74,22 @@ def header_len_for(payload_len: int) -> int:
 
 def payload_checksum(payload: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
+
+
+def checksum_at(fd: int, offset: int, length: int, chunk_bytes: int) -> int | None:
+    """:func:`payload_checksum` of ``length`` bytes of ``fd`` from ``offset``, read in chunks of
+    at most ``chunk_bytes`` (memory stays bounded whatever the record's size); None when the
+    file ends first."""
+    digest = xxhash.xxh3_64()
+    chunk = memoryview(bytearray(max(1, min(chunk_bytes, length))))
+    end = offset + length
+    while offset < end:
+        n = os.preadv(fd, [chunk[: min(len(chunk), end - offset)]], offset)
+        if n <= 0:
+            return None
+        digest.update(chunk[:n])
+        offset += n
+    return digest.intdigest()
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,6 @@ import ctypes.util
 import os
 from typing import Iterator
 
-import xxhash
-
 from kvswap.protocol.errors import Corrupt
 
 from . import record
@@ -85,16 +83,10 @@ def check(rec: journal.SlotRecord, namespace: str, record_bytes: int | None, max
         limit = record_bytes if record_bytes is not None else max_record_bytes
         if header.payload_len != limit if record_bytes is not None else header.payload_len > limit:
             raise Corrupt("record has the wrong size", size=header.payload_len)
-        digest = xxhash.xxh3_64()
-        offset, end = rec.offset + header.header_len, rec.offset + header.header_len + header.payload_len
-        chunk = memoryview(bytearray(max(1, min(chunk_bytes, header.payload_len))))
-        while offset < end:
-            n = os.preadv(fd, [chunk[: min(len(chunk), end - offset)]], offset)
-            if n <= 0:
-                raise Corrupt("the slab ends inside the record", size=offset - rec.offset)
-            digest.update(chunk[:n])
-            offset += n
-        if digest.intdigest() != header.checksum:
+        checksum = record.checksum_at(fd, rec.offset + header.header_len, header.payload_len, chunk_bytes)
+        if checksum is None:
+            raise Corrupt("the slab ends inside the record")
+        if checksum != header.checksum:
             raise Corrupt("payload checksum mismatch")
     finally:
         os.close(fd)

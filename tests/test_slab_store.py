@@ -105,13 +105,18 @@ def test_files_are_private(root) -> None:
     assert os.stat(slab_dir(root)).st_mode & 0o777 == 0o700
 
 
-def test_a_torn_journal_tail_is_cut_and_the_rest_served(root) -> None:
+def _stored_and_closed(root: str, records: int) -> str:
+    """Store ``k0..k{records-1}``, close the store; the path of its one journal."""
     store = open_store(root)
-    for i in range(5):
+    for i in range(records):
         store.put(f"k{i}", payload_for(i))
     store.close()
     [journal_name] = [n for n in os.listdir(slab_dir(root)) if n.endswith(".journal")]
-    path = os.path.join(slab_dir(root), journal_name)
+    return os.path.join(slab_dir(root), journal_name)
+
+
+def test_a_torn_journal_tail_is_cut_and_the_rest_served(root) -> None:
+    path = _stored_and_closed(root, 5)
     with open(path, "ab") as f:
         f.write(b"\x01" * 40)  # a SIGKILL in the middle of an append
     again = open_store(root)
@@ -125,12 +130,7 @@ def test_a_torn_journal_tail_is_cut_and_the_rest_served(root) -> None:
 
 
 def test_a_damaged_journal_entry_is_skipped_never_trusted(root) -> None:
-    store = open_store(root)
-    for i in range(4):
-        store.put(f"k{i}", payload_for(i))
-    store.close()
-    [journal_name] = [n for n in os.listdir(slab_dir(root)) if n.endswith(".journal")]
-    path = os.path.join(slab_dir(root), journal_name)
+    path = _stored_and_closed(root, 4)
     with open(path, "r+b") as f:
         f.seek(2 * slab_journal.ENTRY_BYTES + 20)  # the second put (entry 0 is the header)
         f.write(b"\xff")
