@@ -745,14 +745,15 @@ class SlabStore(FileStore):
         name = record_name(key)
         with self._lock:
             where = self._where.get(name)
-        if where is None and self._refresh():
-            with self._lock:
-                where = self._where.get(name)
-        if where is None and not self._legacy_scan_done and self.contains(key):
-            with self._lock:
-                where = self._where.get(name)
         if where is None:
-            return GetStatus.MISS
+            # contains reads the other daemons' journals and, until the old layout's scan ends,
+            # looks for its file: once, where this read did both before.
+            if not self.contains(key):
+                return GetStatus.MISS
+            with self._lock:
+                where = self._where.get(name)
+            if where is None:
+                return GetStatus.MISS
         if where == LEGACY:
             return super().get_into(key, out)
         slab = self._by_index[where >> 32]
