@@ -48,7 +48,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Container, Final, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Container, Final, Iterator, Sequence
 
 from kvswap.common.units import PAGE_BYTES
 from kvswap.protocol.errors import Corrupt, IOFailure, NoSpace
@@ -61,13 +61,15 @@ from .disk import DIRECT_IO_MODES, FSYNC_MODES, Disk, aligned_empty, make_privat
 from .file_index import RecordIndex
 from .file_layout import LOCK_NAME, RECORD_SUFFIX, TMP_SUFFIX, reclaim_temp_files, record_name, scan_record_files
 
-__all__ = ["FSYNC_MODES", "DIRECT_IO_MODES", "LOCK_NAME", "RECORD_SUFFIX", "TMP_SUFFIX", "Capacity", "Disk", "FileBackend",
+if TYPE_CHECKING:
+    from .file_backend import FileBackend
+
+__all__ = ["FSYNC_MODES", "DIRECT_IO_MODES", "LOCK_NAME", "RECORD_SUFFIX", "TMP_SUFFIX", "Capacity", "Disk",
            "FileStore", "make_private_dirs", "record_name", "scan_record_files"]
 
 log = logging.getLogger(__name__)
 
 _SPACE_ERRNOS: Final = frozenset({errno.ENOSPC, errno.EDQUOT})
-FILE_LAYOUTS: Final = ("slab", "files")
 
 
 def _io_error(exc: OSError, action: str, path: str) -> Exception:
@@ -91,57 +93,6 @@ class Capacity:
             raise ValueError("capacity limits must be >= 0")
         if not 0 < self.low < self.high <= 1:
             raise ValueError("watermarks must satisfy 0 < low < high <= 1")
-
-
-class FileBackend(Backend):
-    tier = "file"
-
-    def __init__(self, root: str, fsync: str = "none", disk: Disk | None = None, capacity: Capacity | None = None,
-                 direct_io: str = "off", rescan_interval_s: float = 0.0, eviction: str = "chain",
-                 layout: str = "files") -> None:
-        if direct_io not in DIRECT_IO_MODES:
-            raise ValueError(f"direct_io must be one of {DIRECT_IO_MODES}")
-        if layout not in FILE_LAYOUTS:
-            raise ValueError(f"layout must be one of {FILE_LAYOUTS}")
-        #: "slab" (records in slots of files kept open, slab_store.py) or "files" (one file per
-        #: record, this module; the layout before slabs).
-        self.layout = layout
-        self.root = os.path.abspath(root)
-        self.disk = disk or Disk(fsync)
-        self.capacity = capacity or Capacity()
-        self.direct_io = direct_io
-        #: How often the evicting daemon re-lists the directory to see other writers' records
-        #: (0: only at start-up; set it when the directory is shared).
-        self.rescan_interval_s = rescan_interval_s
-        #: Eviction order (:data:`.chains.POLICIES`); "lru" only to measure against.
-        self.eviction = eviction
-        # Temp names carry host, pid and a per-process token, so writers sharing a directory
-        # never collide and a restart can tell its predecessor's leftovers (same pid is common
-        # in containers) from a live neighbour's.
-        self.instance = secrets.token_hex(4)
-        self._writer_tag = f"{socket.gethostname()}.{os.getpid()}.{self.instance}"
-
-    def check_writable(self) -> None:
-        """Create the root (0700), prove we can write in it, and settle O_DIRECT; raises
-        ``OSError``."""
-        make_private_dirs(self.root)
-        probe = os.path.join(self.root, f".probe.{self._writer_tag}.{secrets.token_hex(4)}")
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.close(fd)
-        os.unlink(probe)
-        if self.direct_io != "off":
-            works = Disk.probe_direct(self.root)
-            if self.direct_io == "on" and not works:
-                raise OSError(errno.EINVAL, "O_DIRECT is not supported here (--direct-io on)")
-            self.disk.direct = works
-            log.info("direct I/O %s in %s", "on" if works else "unavailable, using buffered I/O", self.root)
-
-    def open_store(self, namespace: str, description: dict[str, Any], record_bytes: int) -> "FileStore":
-        if self.layout == "slab":
-            from .slab_store import SlabStore  # it builds on this module
-
-            return SlabStore(self, namespace, description, record_bytes)
-        return FileStore(self, namespace, description, record_bytes)
 
 
 class FileStore(Store):

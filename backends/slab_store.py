@@ -55,7 +55,7 @@ import secrets
 import threading
 import time
 from collections import Counter
-from typing import Any, Final, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Final, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -67,7 +67,10 @@ from . import slab_journal as journal
 from .base import GetStatus
 from .disk import listdir_or_empty, try_flock
 from .file_layout import record_name
-from .file_store import FileBackend, FileStore, _io_error
+from .file_store import FileStore, _io_error
+
+if TYPE_CHECKING:
+    from .file_backend import FileBackend
 
 log = logging.getLogger(__name__)
 

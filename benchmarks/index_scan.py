@@ -22,7 +22,7 @@ import tempfile
 import time
 import urllib.request
 
-from kvswap.backends.file_store import FileBackend
+from kvswap.backends.file_backend import FileBackend
 from kvswap.daemon.tools.local_daemon import LocalDaemon
 from kvswap.protocol import CacheLayout, Client, HostKVCache
 

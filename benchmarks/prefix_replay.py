@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from kvswap.backends import record
 from kvswap.backends.base import Store
-from kvswap.backends.file_store import Capacity, FileBackend
+from kvswap.backends.file_backend import Capacity, FileBackend
 from kvswap.backends.ram_tier import RamBackend
 from kvswap.protocol.errors import NoSpace
 

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from .tiers import Locations
 
-from kvswap.backends.file_store import DIRECT_IO_MODES, FILE_LAYOUTS, FSYNC_MODES
+from kvswap.backends.file_backend import FILE_LAYOUTS
+from kvswap.backends.file_store import DIRECT_IO_MODES, FSYNC_MODES
 from kvswap.protocol.limits import DEFAULT_TIMEOUT_MS
 from kvswap.common.units import PAGE_BYTES
 

@@ -33,7 +33,7 @@ import zmq.asyncio
 
 from kvswap import __version__
 from kvswap.backends.events import NO_EVENTS
-from kvswap.backends.file_store import FileBackend
+from kvswap.backends.file_backend import FileBackend
 from kvswap.protocol.limits import MAX_MESSAGE_BYTES
 
 from . import fds

@@ -306,7 +306,7 @@ def unready_locations(backends: dict[str, Backend], locations: Locations) -> lis
 
 def open_backends(config: Any) -> dict[str, Backend]:
     """The configured tiers' backends, in tier order. Connects nothing yet."""
-    from kvswap.backends.file_store import Capacity, FileBackend
+    from kvswap.backends.file_backend import Capacity, FileBackend
 
     backends: dict[str, Backend] = {}
     if config.host_tier_bytes:

@@ -13,7 +13,7 @@ import pytest
 
 from kvswap.backends import chains
 from kvswap.backends.chains import ChainOrder
-from kvswap.backends.file_store import Capacity, FileBackend
+from kvswap.backends.file_backend import Capacity, FileBackend
 from kvswap.backends.ram_tier import RamBackend
 from kvswap.protocol import CacheLayout, Client, HostKVCache, NoSpace
 from disk_records import records_on_disk

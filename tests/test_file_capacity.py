@@ -13,7 +13,8 @@ import pytest
 from kvswap.backends import file_store
 from kvswap.backends.base import GetStatus
 from kvswap.backends.file_index import RecordIndex
-from kvswap.backends.file_store import Capacity, FileBackend, FileStore, record_name
+from kvswap.backends.file_backend import Capacity, FileBackend
+from kvswap.backends.file_store import FileStore, record_name
 from kvswap.protocol.errors import NoSpace
 
 from support import record_bytes_on_disk

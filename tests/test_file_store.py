@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from kvswap.backends import file_store, record
 from kvswap.backends.base import GetStatus
 from kvswap.backends.disk import aligned_empty
-from kvswap.backends.file_store import Capacity, Disk, FileBackend, FileStore, record_name
+from kvswap.backends.file_backend import Capacity, FileBackend
+from kvswap.backends.file_store import Disk, FileStore, record_name
 from kvswap.protocol.errors import IOFailure, NoSpace
 from kvswap.protocol.layout import CacheLayout
 

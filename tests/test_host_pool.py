@@ -493,7 +493,7 @@ def test_a_swap_in_re_stamps_files_only_through_the_last_record_read_from_disk(t
 def test_lookup_prefix_joins_the_tiers_runs(tmp_path: Path) -> None:
     """NamespaceTiers.cached_prefix asks each tier for a run of keys at once; a key counts
     when any tier (or an in-flight write) has it, and the prefix stops at the first gap."""
-    from kvswap.backends.file_store import FileBackend
+    from kvswap.backends.file_backend import FileBackend
     from kvswap.daemon.metrics import Metrics
     from kvswap.daemon.tiers import Locations, NamespaceTiers
 

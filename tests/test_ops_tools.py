@@ -16,7 +16,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from kvswap.backends.file_store import FileBackend
+from kvswap.backends.file_backend import FileBackend
 from kvswap.daemon.tools.admin import main as kvswap
 from kvswap.daemon.tools.keygen import write_keypair
 

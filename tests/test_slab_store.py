@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kvswap.backends import record, slab_journal
 from kvswap.backends.base import GetStatus
-from kvswap.backends.file_store import Capacity, FileBackend
+from kvswap.backends.file_backend import Capacity, FileBackend
 from kvswap.backends.file_layout import record_name
 from kvswap.backends.slab_store import SLAB_DIR, SlabStore
 from kvswap.protocol.errors import IOFailure, NoSpace

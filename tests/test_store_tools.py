@@ -11,7 +11,8 @@ from collections import Counter
 from click.testing import CliRunner
 
 from kvswap.backends import file_tools
-from kvswap.backends.file_store import FileBackend, FileStore
+from kvswap.backends.file_backend import FileBackend
+from kvswap.backends.file_store import FileStore
 from kvswap.daemon.tools.admin import main
 from kvswap.protocol.layout import CacheLayout
 

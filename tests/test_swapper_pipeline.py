@@ -17,7 +17,7 @@ import pytest
 from support import INSTALLED_BY_TEST_SETUP, GatedWrites, InProcessDaemon, wait_until
 
 from kvswap.backends import record
-from kvswap.backends.file_store import FileBackend
+from kvswap.backends.file_backend import FileBackend
 from kvswap.daemon.swapper import Deadline
 from kvswap.protocol import Client, HostKVCache, InvalidLayout, NotRegistered, Timeout
 from kvswap.protocol import messages as m

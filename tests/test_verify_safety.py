@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from kvswap.backends import file_tools, record
-from kvswap.backends.file_store import FileBackend
+from kvswap.backends.file_backend import FileBackend
 from kvswap.common.units import PAGE_BYTES
 from kvswap.daemon.config import Config
 from kvswap.protocol.layout import CacheLayout
