@@ -206,7 +206,10 @@ RESERVE = 128
 
 @pytest.mark.parametrize("fd_limit,held_at_most", [
     (256, 64),  # the connection cap binds first
-    (160, 160 - RESERVE),  # the descriptor reserve binds first: at most 32 open in all
+    # The descriptor reserve binds first: at most 64 open in all, about 32 of them the daemon's
+    # own (a registered namespace's slab, journal and lock files among them), so the flood gets
+    # about 32, under the cap of 64.
+    (192, 192 - RESERVE),
 ])
 def test_daemon_answers_and_stores_with_its_metrics_port_flooded(tmp_path: Path, monkeypatch, cache: HostKVCache,
                                                                  fd_limit: int, held_at_most: int) -> None:
