@@ -52,6 +52,9 @@ class RamTier:
         self.arena = arena
         self._lock = arena.lock
         self._index: dict[Entry, ArenaSlot] = {}
+        #: The keys of ``_index``, per namespace: what the loop reads for every lookup, with no
+        #: lock (a set's membership test is atomic under the GIL) and no tuple built per key.
+        self._keys: dict[str, set[str]] = {}
         # Eviction order over every record (held or not).
         self._order: ChainOrder[Entry] = ChainOrder(eviction)
         #: Records held per namespace, and evicted per namespace to make room.
@@ -97,6 +100,7 @@ class RamTier:
                 self._forget_locked(old, keep_order=True)
             self.arena.keep_locked(slot, entry)
             self._index[entry] = slot
+            self._keys.setdefault(namespace, set()).add(key)
             self.records[namespace] += 1
             self._order.add(entry)
             if self._order.is_stranded(entry):
@@ -117,12 +121,28 @@ class RamTier:
             return self.arena.hold_locked(slot)
 
     def contains(self, namespace: str, key: str) -> bool:
-        return (namespace, key) in self._index
+        return key in self._keys.get(namespace, ())
+
+    def present_prefix(self, namespace: str, keys: Sequence[str], also_present: Container[str] = ()) -> int:
+        """How many leading ``keys`` this tier holds in ``namespace`` or ``also_present`` has.
+        On the loop, for every lookup: one C-level pass over the keys (``map`` of the set's
+        membership test), Python only from the first key the tier lacks on."""
+        held = self._keys.get(namespace, set())
+        found = list(map(held.__contains__, keys))
+        try:
+            first = found.index(False)
+        except ValueError:
+            return len(keys)
+        for i in range(first, len(keys)):
+            if not found[i] and keys[i] not in also_present:
+                return i
+        return len(keys)
 
     def chain(self, namespace: str, keys: Sequence[str], reserve: bool = False) -> None:
         """``keys`` are one chain, head first: :meth:`.chains.ChainOrder.chain`."""
+        entries = [(namespace, key) for key in keys]  # built before the lock: the loop waits for it
         with self._lock:
-            self._order.chain([(namespace, key) for key in keys], reserve)
+            self._order.chain(entries, reserve)
 
     def unreachable(self, namespace: str) -> int:
         """Records of ``namespace`` no lookup can reach in this tier alone."""
@@ -194,6 +214,10 @@ class RamTier:
         ``announce`` the caller reports the removal itself (a clear)."""
         entry: Entry = slot.kept  # type: ignore[assignment]
         del self._index[entry]
+        held = self._keys[entry[0]]
+        held.discard(entry[1])
+        if not held:
+            del self._keys[entry[0]]
         if not keep_order:
             self._order.remove(entry)
             if announce:
@@ -211,6 +235,9 @@ class RamTier:
             kept = sum(1 for slot in self.arena._slots if slot.kept is not None)
             if kept != len(self._index):
                 out.append(f"{kept} slots keep a record, the index holds {len(self._index)}")
+            keys = {(ns, key) for ns, held in self._keys.items() for key in held}
+            if keys != set(self._index) or any(not held for held in self._keys.values()):
+                out.append(f"the key sets hold {len(keys)} records, the index {len(self._index)}")
             if len(self._index) != sum(self.records.values()):
                 out.append(f"index holds {len(self._index)} records, counted {sum(self.records.values())}")
             if len(self._order) != len(self._index) or any(e not in self._order for e in self._index):
@@ -305,11 +332,9 @@ class RamStore(Store):
         return self.ram.contains(self.namespace, key)
 
     def cached_prefix(self, keys: Sequence[str], also_present: Container[str] = ()) -> int:
-        """RAM is the whole tier, so this is :meth:`contains_prefix` (no I/O either way)."""
-        for i, key in enumerate(keys):
-            if key not in also_present and not self.ram.contains(self.namespace, key):
-                return i
-        return len(keys)
+        """RAM is the whole tier, so this is :meth:`contains_prefix` (no I/O either way): the
+        tier's :meth:`RamTier.present_prefix`, with no lock."""
+        return self.ram.present_prefix(self.namespace, keys, also_present)
 
     def expect_chain(self, keys: Sequence[str]) -> None:
         """A swap_out is about to write ``keys``, one chain head first: the tail gets the

@@ -52,35 +52,68 @@ class Dispatcher:
         self.requests: set[asyncio.Task] = set()
         #: Requests in flight per client connection (ZMQ identity); entries go at zero.
         self.per_client: dict[bytes, int] = {}
+        #: ``sock`` without the asyncio layer (a shadow: same ZMQ socket, not owned), and the
+        #: event its descriptor sets (receive).
+        self._raw: zmq.Socket | None = None
+        self._readable = asyncio.Event()
 
     # -- the loop ---------------------------------------------------------------------------------
 
     async def receive(self) -> None:
-        assert self.sock is not None
-        while True:
-            frames = await self.sock.recv_multipart(copy=False)
-            if len(frames) < 2:
-                continue  # a ROUTER always prefixes the peer identity; nothing to answer to
-            # The payload is read in place (a memoryview of ZMQ's buffer), not copied: a copy
-            # doubled what a 4 MiB frame costs in memory and time.
-            envelope, payload = [f.bytes for f in frames[:-1]], frames[-1].buffer
-            refusal = self._refusal(envelope[0])
-            if refusal is not None:
-                self.send(envelope, m.Reply(m.peek_id(payload), False, error=refusal))
-                if isinstance(refusal, Busy):
-                    self._count_refusal()
-                continue
-            client = envelope[0]
-            self.per_client[client] = self.per_client.get(client, 0) + 1
-            task = asyncio.ensure_future(self._answer(envelope, payload))
-            self.requests.add(task)
-            task.add_done_callback(self.requests.discard)
-            task.add_done_callback(functools.partial(self._client_done, client))
-            del frames, payload  # the task holds the frame only until it is decoded
-            # Let the task decode its frame (and a ping answer) before the next frame is read:
-            # a receive completes at once while frames are queued, so without this yield a
-            # flood of frames became tasks ahead of everyone else's (a ping waited 5 s).
-            await asyncio.sleep(0)
+        raw = self._raw_socket()
+        loop = asyncio.get_running_loop()
+        fd = raw.FD
+        loop.add_reader(fd, self._readable.set)
+        try:
+            while True:
+                try:
+                    frames = raw.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    # ZMQ's descriptor only says that its events changed (edge-triggered): wait
+                    # for the next change once EVENTS says no frame is queued.
+                    self._readable.clear()
+                    if not _frame_queued(raw):
+                        await self._readable.wait()
+                    continue
+                self._take(frames)
+                del frames  # the task holds the frame only until it is decoded
+                # Let the task decode its frame (and a ping answer) before the next frame is
+                # read: a receive completes at once while frames are queued, so without this
+                # yield a flood of frames became tasks ahead of everyone else's (a ping waited 5 s).
+                await asyncio.sleep(0)
+        finally:
+            loop.remove_reader(fd)
+
+    def _take(self, frames: list[zmq.Frame]) -> None:
+        """One frame read: refused at once, or a task that answers it."""
+        if len(frames) < 2:
+            return  # a ROUTER always prefixes the peer identity; nothing to answer to
+        # The payload is read in place (a memoryview of ZMQ's buffer), not copied: a copy
+        # doubled what a 4 MiB frame costs in memory and time.
+        envelope, payload = [f.bytes for f in frames[:-1]], frames[-1].buffer
+        refusal = self._refusal(envelope[0])
+        if refusal is not None:
+            self.send(envelope, m.Reply(m.peek_id(payload), False, error=refusal))
+            if isinstance(refusal, Busy):
+                self._count_refusal()
+            return
+        client = envelope[0]
+        self.per_client[client] = self.per_client.get(client, 0) + 1
+        task = asyncio.ensure_future(self._answer(envelope, payload))
+        self.requests.add(task)
+        task.add_done_callback(self.requests.discard)
+        task.add_done_callback(functools.partial(self._client_done, client))
+
+    def _raw_socket(self) -> zmq.Socket:
+        """The control socket without pyzmq's asyncio layer: frames are read and replies sent
+        with NOBLOCK calls, the loop woken by ZMQ's descriptor. The asyncio layer's futures,
+        event polling and enum flags were 16% of the loop's GIL time under a swap_out stream
+        (py-spy); this is what it did, minus the futures. A shadow, as that layer's own: the
+        same ZMQ socket, not owned, so it is used only while ``sock`` is open."""
+        if self._raw is None:
+            assert self.sock is not None
+            self._raw = zmq.Socket.shadow(self.sock.underlying)
+        return self._raw
 
     def _refusal(self, client: bytes) -> KvswapError | None:
         """Why a frame from ``client`` is answered before it is decoded, or None."""
@@ -111,13 +144,15 @@ class Dispatcher:
     def refuse_queued(self) -> int:
         """Answer the frames still queued on the socket after the loop stopped; how many."""
         assert self.sock is not None
+        if self.sock.closed:
+            return 0
+        raw = self._raw_socket()
         answered = 0
         while True:
-            # With NOBLOCK the asyncio socket completes the future at once.
-            pending = cast("asyncio.Future[list[bytes]]", self.sock.recv_multipart(flags=zmq.NOBLOCK))
-            if pending.exception() is not None:  # zmq.Again: nothing left (or the socket is gone)
+            try:
+                frames = raw.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.ZMQError:  # zmq.Again: nothing left (or the socket is gone)
                 return answered
-            frames = pending.result()
             if len(frames) >= 2:
                 answered += 1
                 self.send(frames[:-1], m.Reply(m.peek_id(frames[-1]), False,
@@ -242,26 +277,35 @@ class Dispatcher:
             log.error("reply to request %s is %d bytes, over the limit of %d", reply.id, len(frame), limit)
             frame = m.encode_reply(m.Reply(reply.id, False, error=Internal(
                 "the reply is over the size limit", size=len(frame), limit=limit)))
-        # With NOBLOCK the asyncio socket finishes the send at once and puts any error in the
-        # returned future rather than raising it. A ROUTER drops replies to vanished peers.
-        if len(frame) < TRACK_REPLY_BYTES:
-            sent = self.sock.send_multipart([*envelope, frame], flags=zmq.NOBLOCK)
-        else:  # sent without a copy, and charged to its connection while ZMQ holds it (admission.py)
-            body = zmq.Frame(frame, copy=False, track=True)
-            sent = self.sock.send_multipart([*envelope, body], flags=zmq.NOBLOCK, copy=False)
-            self.budget.track(envelope[0], len(frame), body.tracker)
-        future = cast("asyncio.Future[Any]", sent)
-        if future.done():
-            _log_send_failure(future, reply.id)
-        else:
-            future.add_done_callback(functools.partial(_log_send_failure, request_id=reply.id))
+        if self.sock.closed:  # the shadow must not outlive it: its ZMQ socket is freed
+            log.warning("reply to request %s dropped: the socket is closed", reply.id)
+            return
+        # NOBLOCK: a reply ZMQ cannot queue (the peer's SND_HWM is full: it does not read)
+        # is dropped, never waited for. A ROUTER drops replies to vanished peers itself.
+        raw = self._raw_socket()
+        try:
+            if len(frame) < TRACK_REPLY_BYTES:
+                raw.send_multipart([*envelope, frame], flags=zmq.NOBLOCK)
+            else:  # sent without a copy, and charged to its connection while ZMQ holds it (admission.py)
+                body = zmq.Frame(frame, copy=False, track=True)
+                raw.send_multipart([*envelope, body], flags=zmq.NOBLOCK, copy=False)
+                self.budget.track(envelope[0], len(frame), body.tracker)
+        except zmq.ZMQError as exc:
+            _log_send_failure(exc, reply.id)
+        # A send can consume the descriptor's signal of a frame that arrived meanwhile, so the
+        # receiver looks again (what pyzmq's asyncio layer does after every call).
+        if _frame_queued(raw):
+            self._readable.set()
 
 
-def _log_send_failure(sent: "asyncio.Future[Any]", request_id: int | None) -> None:
-    exc = None if sent.cancelled() else sent.exception()
+def _frame_queued(raw: zmq.Socket) -> bool:
+    return bool(cast(int, raw.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+
+def _log_send_failure(exc: zmq.ZMQError, request_id: int | None) -> None:
     if isinstance(exc, zmq.Again):
         log.warning("reply to request %s dropped: the client is not reading", request_id)
-    elif exc is not None:
+    else:
         log.warning("reply to request %s dropped: %s", request_id, exc)
 
 

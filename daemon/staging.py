@@ -1,7 +1,9 @@
 """Bounded staging memory: fixed-size slots, one record each, in the daemon's host arena.
 
 Every byte a swap moves passes through a slot, so the slot count is the daemon's memory
-bound: when none are free, swap_out answers ``busy`` rather than allocating more. Slots are
+bound: when none are free, swap_out answers ``busy`` rather than allocating more, or (a
+``wait="persisted"`` swap_out) waits for room in a bounded queue, up to its deadline
+(:meth:`Staging.wait_write`). Slots are
 4 KiB aligned so direct I/O can use them, and are faulted in before they are handed out, so
 no page fault lands on the swap path.
 
@@ -16,8 +18,10 @@ lets go, as a free slot or, when the RAM tier kept it, as a cached record.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
-from typing import Any, Callable, Iterable
+import time
+from typing import Any, Callable, Final, Iterable
 
 import numpy as np
 
@@ -25,7 +29,7 @@ from kvswap.backends.base import Backend, HeldRecord
 from kvswap.backends.disk import aligned_empty
 from kvswap.backends.host_arena import ArenaSlot as Slot
 from kvswap.backends.host_arena import ArenaWindow, HostArena
-from kvswap.protocol.errors import Busy, TooLarge
+from kvswap.protocol.errors import Busy, KvswapError, Timeout, TooLarge
 from kvswap.common.units import round_up_to_page
 
 from .background import Background
@@ -36,6 +40,24 @@ from .movers.base import Mover
 __all__ = ["Slot", "Staging", "StagingPool", "aligned_empty"]
 
 log = logging.getLogger(__name__)
+
+#: swap_outs waiting for write staging at once (``wait="persisted"``); one more answers
+#: ``busy`` at once. Each holds its decoded request and a lease on the registration while it
+#: waits, so the queue is bounded like every other (docs/security.md).
+MAX_WRITE_WAITERS: Final = 64
+#: How often a waiter looks again whatever woke it: for its deadline, for its registration
+#: being released, and for room freed on a path that did not say so.
+WRITE_WAIT_POLL_S: Final = 0.05
+
+
+class _WriteWaiter:
+    """A swap_out waiting for ``count`` write slots; ``slots`` is set when they are its."""
+
+    __slots__ = ("count", "slots")
+
+    def __init__(self, count: int, slots: "asyncio.Future[list[Slot]]") -> None:
+        self.count = count
+        self.slots = slots
 
 
 class StagingPool(ArenaWindow):
@@ -88,6 +110,11 @@ class Staging:
         #: The fault-in in progress, awaited by ``stop``.
         self._background = Background("staging")
         self._growing = False
+        #: swap_outs waiting for write slots, first come first served (wait_write).
+        self._write_waiters: collections.deque[_WriteWaiter] = collections.deque()
+        #: Waits for write slots: started, served, refused at the cap, ended by the deadline
+        #: (or the registration's release) before slots were free.
+        self.write_waits = {"waited": 0, "served": 0, "refused": 0, "timed_out": 0}
 
     @property
     def pools(self) -> list[ArenaWindow]:
@@ -136,6 +163,7 @@ class Staging:
             log.error("faulting in the host pool failed: %s", exc)
         finally:
             self._growing = False
+            self.writes_released()  # more of the arena is free
 
     async def stop(self) -> None:
         """End the fault-in after its current step and wait for it (its thread touches the
@@ -165,23 +193,116 @@ class Staging:
     # -- slots ----------------------------------------------------------------------------------
 
     def take_write(self, count: int, partial: bool, pending_writes: int) -> list[Slot]:
-        """``count`` write slots; with ``partial``, as many as are free. Raises ``TooLarge``
-        when ``count`` can never fit, ``Busy`` when it does not fit now."""
+        """``count`` write slots now; with ``partial``, as many as are free. Raises ``TooLarge``
+        when ``count`` can never fit, ``Busy`` when it does not fit now. Slots the first waiter
+        (:meth:`wait_write`) still needs are not free to it: nobody overtakes the queue's head."""
         pool = self.write
         assert pool is not None, "Staging.prepare() was not called"
         if count > pool.capacity and not partial:
             raise TooLarge(f"swap_out of {count} new blocks exceeds the write staging of {pool.capacity} records",
                            blocks=count, limit=pool.capacity)
-        slots = pool.try_take(count)
+        room = self._write_room()
+        slots = pool.try_take(count) if count <= room else None
         if slots is None and partial:
-            slots = pool.try_take(min(count, pool.free)) or []
+            slots = pool.try_take(min(count, room)) if room > 0 else []
+            slots = slots or []
         if slots is None:
             self.metrics.write_failures.labels(code="busy").inc(count)
             self._grow()
             raise Busy("write staging is full; retry after pending writes finish", needed=count, free=pool.free,
-                       pending_writes=pending_writes)
+                       pending_writes=pending_writes, waiting=len(self._write_waiters))
         self._grow()
         return slots
+
+    async def wait_write(self, count: int, until: float, pending_writes: int,
+                         stopped: Callable[[], KvswapError | None]) -> tuple[list[Slot], bool]:
+        """``count`` write slots for a swap_out that waits for room (``wait="persisted"``): at
+        once when there is room and nobody waits; else in a queue of at most
+        MAX_WRITE_WAITERS, first come first served, until ``until`` (``time.monotonic``).
+        Returns the slots and whether it waited.
+
+        First come first served, whatever the counts: the queue's head takes the first slots
+        freed until it has all it asked for, and nobody behind it (or a swap_out that does not
+        wait) takes slots it still needs, so a big request is never starved by small ones; the
+        price is that small ones wait behind a big one. Raises ``TooLarge`` when ``count`` can
+        never fit, ``Busy`` when the queue is full (as without waiting), ``Timeout`` when
+        ``until`` passes first, and whatever ``stopped()`` returns (checked at every wake-up:
+        the registration was released, the request was answered) — with no slot taken."""
+        pool = self.write
+        assert pool is not None, "Staging.prepare() was not called"
+        if count > pool.capacity:
+            raise TooLarge(f"swap_out of {count} new blocks exceeds the write staging of {pool.capacity} records",
+                           blocks=count, limit=pool.capacity)
+        if not self._write_waiters:
+            slots = pool.try_take(count)
+            if slots is not None:
+                self._grow()
+                return slots, False
+        if len(self._write_waiters) >= MAX_WRITE_WAITERS:
+            self.write_waits["refused"] += 1
+            self.metrics.write_failures.labels(code="busy").inc(count)
+            raise Busy("write staging is full and the swap_outs waiting for it are at their limit; retry after "
+                       "pending writes finish", needed=count, free=pool.free, pending_writes=pending_writes,
+                       waiting=len(self._write_waiters), limit=MAX_WRITE_WAITERS)
+        waiter = _WriteWaiter(count, asyncio.get_running_loop().create_future())
+        self._write_waiters.append(waiter)
+        self.write_waits["waited"] += 1
+        started = time.monotonic()
+        served = False
+        self._grow()
+        try:
+            while True:
+                self._serve_writers()
+                if waiter.slots.done():
+                    self.write_waits["served"] += 1
+                    served = True
+                    return waiter.slots.result(), True
+                failure = stopped()
+                left = until - time.monotonic()
+                if failure is None and left <= 0:
+                    failure = Timeout("deadline passed while waiting for write staging", needed=count,
+                                      waited_ms=round((time.monotonic() - started) * 1000))
+                if failure is not None:
+                    self.write_waits["timed_out"] += 1
+                    raise failure
+                await asyncio.wait({waiter.slots}, timeout=min(left, WRITE_WAIT_POLL_S))
+        finally:
+            if not waiter.slots.done():
+                waiter.slots.cancel()
+            elif not served:  # handed slots as it was leaving (cancelled meanwhile): give them back
+                for slot in waiter.slots.result():
+                    slot.release()
+            try:
+                self._write_waiters.remove(waiter)
+            except ValueError:
+                pass  # served: the queue let go of it
+            self._serve_writers()  # the next one may fit now
+
+    def _write_room(self) -> int:
+        """Write slots a swap_out that does not wait may take: the free ones less what the
+        queue's head still needs."""
+        assert self.write is not None
+        head = self._write_waiters[0].count if self._write_waiters else 0
+        return max(0, self.write.free - head)
+
+    def _serve_writers(self) -> None:
+        """Hand free write slots to the waiters, in order, while the first fits."""
+        pool = self.write
+        while self._write_waiters and pool is not None:
+            head = self._write_waiters[0]
+            if head.slots.done():  # given up (its deadline, a release): it leaves on its own
+                self._write_waiters.popleft()
+                continue
+            slots = pool.try_take(head.count)
+            if slots is None:
+                return
+            head.slots.set_result(slots)
+            self._write_waiters.popleft()
+
+    def writes_released(self) -> None:
+        """Write slots were let go of (a write ended): wake the waiters they fit."""
+        if self._write_waiters:
+            self._serve_writers()
 
     @property
     def read_wave(self) -> int:
@@ -209,6 +330,7 @@ class Staging:
         read slots."""
         for slot in slots:
             slot.release()
+        self.writes_released()  # a swap_in may have held a write's slot: the last holder frees it
         freed = self._freed()
         async with freed:
             freed.notify_all()
@@ -221,6 +343,7 @@ class Staging:
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {f"{w.name}_staging": {"slots": w.capacity, "free": w.free, "slot_bytes": w.slot_bytes}
                                for w in self.pools}
+        out["write_waiting"] = {"now": len(self._write_waiters), **self.write_waits}
         if self.arena is not None:
             out["host_pool"] = {"slots": self.arena.capacity, "faulted": self.arena.faulted,
                                 "available": self.arena.available, "slot_bytes": self.arena.slot_bytes,

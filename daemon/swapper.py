@@ -50,7 +50,7 @@ from .peer_arrivals import Arrivals
 from .registrar import ANONYMOUS, Caller, Registrar
 from .registration import Lease, Registration
 from .staging import Slot, Staging
-from .tiers import Locations, NamespaceTiers
+from .tiers import ChainTouches, Locations, NamespaceTiers
 from .upkeep import Upkeep
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,8 @@ class Swapper:
         self._writes = Background("writes")
         #: Chain touches after a lookup or swap_in.
         self._background = Background("swapper")
+        #: Lookups' hit prefixes waiting for their chain touch, merged and drained off the loop.
+        self.touches = ChainTouches()
         #: Woken whenever records become readable here (a swap_out's copy, a pull from a peer),
         #: for lookups and peer exports waiting for keys on their way (peer_records.py).
         self.arrivals = Arrivals()
@@ -180,7 +182,19 @@ class Swapper:
             todo.append(i)
         if todo:
             todo = await run(self.threads.read, _not_stored, tiers, keys, todo)
-        slots = self.staging.take_write(len(todo), partial, len(self._inflight))
+        if wait == "persisted" and not partial and todo:
+            # The engine waits for "persisted" anyway: room in write staging is waited for
+            # too, up to the deadline, rather than answered busy (docs/protocol.md, swap_out).
+            slots, waited = await self.staging.wait_write(len(todo), deadline.at, len(self._inflight),
+                                                          functools.partial(_stop_waiting, registration, deadline))
+            if waited:
+                todo, slots = await self._still_new(namespace, tiers, keys, todo, slots)
+                given_up = _stop_waiting(registration, deadline)
+                if given_up is not None:  # answered while it waited: nothing is copied, nothing in flight
+                    await self.staging.release(slots)
+                    raise given_up
+        else:
+            slots = self.staging.take_write(len(todo), partial, len(self._inflight))
         for i in todo[len(slots):]:
             status[i] = "skipped"  # partial: no staging left for these; the engine may retry them
         todo = todo[: len(slots)]
@@ -239,6 +253,22 @@ class Swapper:
             self.metrics.blocks.labels(op="swap_out", status=s).inc()
         return SwapOutResult.of(status)
 
+    async def _still_new(self, namespace: str, tiers: NamespaceTiers, keys: Sequence[str], todo: list[int],
+                         slots: list[Slot]) -> tuple[list[int], list[Slot]]:
+        """After a wait for write staging: the keys other requests stored or started meanwhile
+        are ``exists`` now, and their slots go back."""
+        try:
+            inflight = self._inflight.keys(namespace)
+            keep = [i for i in todo if keys[i] not in inflight]
+            if keep:
+                keep = await run(self.threads.read, _not_stored, tiers, keys, keep)
+        except BaseException:
+            await self.staging.release(slots)
+            raise
+        if len(keep) < len(slots):
+            await self.staging.release(slots[len(keep):])
+        return keep, slots[:len(keep)]
+
     def _failed(self, registration: Registration, failure: BaseException) -> None:
         """A request found the engine's memory unusable: release the registration."""
         if isinstance(failure, SegmentShrunk):
@@ -254,6 +284,7 @@ class Swapper:
         if not entry.done.done():
             entry.done.set_result(None)
         entry.slot.release()
+        self.staging.writes_released()
 
     async def _finish_writes(self, namespace: str, entries: list[tuple[str, InflightWrite]],
                              gathered: "asyncio.Future[list[tuple[int, int, Future]]]") -> list[str]:
@@ -450,8 +481,8 @@ class Swapper:
         hits = tiers.cached_prefix(keys, inflight)
         if hits < len(keys):
             hits += await run(self.threads.read, tiers.prefix, keys[hits:], set(inflight))
-        if hits:
-            self._background.submit(self.threads.read, tiers.touch_chain, keys[:hits], what="touch_chain")
+        if hits and self.touches.add(tiers, keys[:hits]):
+            self._background.submit(self.threads.read, self.touches.drain, what="touch_chain")
         self.metrics.lookup_keys.labels(result="hit").inc(hits)
         self.metrics.lookup_keys.labels(result="miss").inc(len(keys) - hits)
         return {"hits": hits}
@@ -491,6 +522,8 @@ class Swapper:
             # Lookups with wait_ms and peer exports waiting for records on their way, and the
             # waits refused at the cap (peer_arrivals.py).
             "waiting": {"now": self.arrivals.waiters, "refused": self.arrivals.refused},
+            # Lookups' chain touches: waiting, applied, merged, skipped as repeated, dropped (tiers.py).
+            "touches": self.touches.stats(),
         }
         if registration is not None:
             out["registration"] = registration.describe()
@@ -509,6 +542,15 @@ class Swapper:
 def _not_stored(tiers: NamespaceTiers, keys: Sequence[str], todo: list[int]) -> list[int]:
     tiers.expect_chain(keys)  # first: a chain's stamps make its tail older than its head
     return [i for i in todo if not tiers.stored_everywhere(keys[i])]
+
+
+def _stop_waiting(registration: Registration, deadline: Deadline) -> KvswapError | None:
+    """Why a swap_out waiting for write staging must give up now, or None."""
+    if registration.closing:
+        return NotRegistered("the registration was released while this swap_out waited for write staging")
+    if deadline.stopped:  # answered already (its deadline, a shutdown): it must not copy now
+        return Timeout("the request was answered while it waited for write staging")
+    return None
 
 
 def _in_every_tier(tiers: NamespaceTiers, op: Callable[[Store], int]) -> int:

@@ -128,7 +128,7 @@ def test_full_write_staging_answers_busy(tmp_path: Path, cache: HostKVCache) -> 
             assert c.swap_out([0, 1, 2, 3], ["b0", "b1", "b2", "b3"]).queued == 4
             with pytest.raises(Busy) as err:
                 c.swap_out([4], ["b4"])
-            assert err.value.details == {"needed": 1, "free": 0, "pending_writes": 4}
+            assert err.value.details == {"needed": 1, "free": 0, "pending_writes": 4, "waiting": 0}
             # Reads have their own staging and still work.
             assert c.swap_in(["b0"], [20]).loaded == 1
             gate.gate.set()
@@ -157,12 +157,12 @@ def test_a_register_of_another_size_that_fails_leaves_the_current_engine_swappin
     """The engine re-registers with another layout and the new namespace's directory cannot be
     made (a full disk): the registration it had stays, and so does staging of its size (before,
     its next swap_out failed with internal: the slots were the failed layout's size)."""
-    from kvswap.backends import file_store
+    from kvswap.backends import file_backend
     from kvswap.protocol import CacheLayout, IOFailure
 
     first = CacheLayout("faults-a", num_layers=2, num_blocks=16, block_size=16, num_kv_heads=2, head_dim=64)
     second = CacheLayout("faults-b", num_layers=2, num_blocks=16, block_size=16, num_kv_heads=2, head_dim=32)
-    opened = file_store.FileBackend.open_store
+    opened = file_backend.FileBackend.open_store
 
     def full_for_the_second(self, namespace, description, record_bytes):
         if record_bytes == second.record_bytes:
@@ -174,10 +174,10 @@ def test_a_register_of_another_size_that_fails_leaves_the_current_engine_swappin
         a.fill_random(1)
         c.register(a)
         c.swap_out([0], ["kept"], wait="persisted")
-        monkeypatch.setattr(file_store.FileBackend, "open_store", full_for_the_second)
+        monkeypatch.setattr(file_backend.FileBackend, "open_store", full_for_the_second)
         with pytest.raises(IOFailure):
             c.register(b)
-        monkeypatch.setattr(file_store.FileBackend, "open_store", opened)
+        monkeypatch.setattr(file_backend.FileBackend, "open_store", opened)
         assert c.swap_out([1, 2], ["x", "y"], wait="persisted").status == ["stored", "stored"]
         a.zero_blocks([5, 6, 7])
         assert c.swap_in(["x", "y", "kept"], [5, 6, 7]).status == ["loaded"] * 3
