@@ -365,12 +365,17 @@ class Swapper:
         registration, tiers = lease.registration, lease.tiers
         registration.check_blocks(block_ids)
         status: list[str] = [GetStatus.MISS.value] * len(keys)
-        # Waves of at most half the read staging, so concurrent swap_ins share it; each wave
-        # takes its slots all at once (no two requests can each hold part and wait for more).
-        wave = min(READ_WAVE, self.staging.read_wave)
         # The host mover scatters each record on its read thread as soon as it is read (reads
         # and copies overlap); GPU movers want the wave in one call (one upload, one kernel).
         per_record = not registration.mover.batches_scatter
+        # Waves of at most half the read staging, so concurrent swap_ins share it; each wave
+        # takes its slots all at once (no two requests can each hold part and wait for more).
+        # Scattered per record and not kept in RAM (no host tier to promote into), a record is
+        # out of its slot before the next is read into it: a wave needs one read slot per read
+        # thread, whatever its length, so it can be long. A promoted record keeps its slot.
+        reuse = per_record and tiers.host is None
+        wave = READ_WAVE if reuse else min(READ_WAVE, self.staging.read_wave)
+        threads = self.config.read_threads
         live = _guard(registration, deadline)
         read = [False] * len(keys)  # read from a tier below RAM (then its file is touched)
 
@@ -407,13 +412,21 @@ class Swapper:
                         sources[i] = entry.slot
                     except KvswapError:
                         pass  # its copy was abandoned: a miss
-                slots_read = await self.staging.take_read(len(to_read))
-                slots.extend(slots_read)
                 # One read thread task per group of records, not per record: every task's end
                 # wakes the loop, and under py-spy those wake-ups were 60% of the GIL held
-                # during cold swap_ins. The groups still keep every read thread busy.
-                pairs = list(zip(to_read, slots_read))
-                groups = [pairs[g::self.config.read_threads] for g in range(min(len(pairs), self.config.read_threads))]
+                # during cold swap_ins. The groups still keep every read thread busy. With
+                # ``reuse``, a group reads each of its records into the same slot, so no read
+                # waits for the wave's slowest one (py-spy, warm reads: the read threads were
+                # idle over half the time at the waves' ends).
+                if reuse:
+                    slots_read = await self.staging.take_read(min(len(to_read), threads, self.staging.read_wave))
+                    pairs = [(i, slots_read[n % len(slots_read)]) for n, i in enumerate(to_read)]
+                    groups = [pairs[g::len(slots_read)] for g in range(len(slots_read))]
+                else:
+                    slots_read = await self.staging.take_read(len(to_read))
+                    pairs = list(zip(to_read, slots_read))
+                    groups = [pairs[g::threads] for g in range(min(len(pairs), threads))]
+                slots.extend(slots_read)
                 # Every read ends before the slots go back, even when one fails: a read thread
                 # must never write into a slot another request has taken.
                 grouped = await asyncio.gather(*(

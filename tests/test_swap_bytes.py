@@ -108,6 +108,41 @@ def test_every_hole_kind_in_one_request(tmp_path: Path, cache: HostKVCache, file
         assert cache.block_record(14) == (expected[3] if result.status[4] == "loaded" else untouched)
 
 
+@pytest.mark.parametrize("file_layout", LAYOUTS)
+def test_a_long_swap_in_through_one_read_slot_per_thread_moves_every_record_byte_for_byte(
+        tmp_path: Path, cache: HostKVCache, file_layout: str) -> None:
+    """With no RAM tier, each read thread reads its records one after another into the same
+    read slot (swapper.py, ``reuse``): 24 records through 2 slots, one request. A slot handed
+    to the next record before the last was scattered, or a record scattered from another's
+    slot, puts the wrong bytes in a block; a hole (corrupt, miss) read into a slot already used
+    must not scatter what the slot held before."""
+    root = tmp_path / "s"
+    with InProcessDaemon(root, host_tier_bytes=0, read_threads=2, file_layout=file_layout) as d, \
+            Client(d.endpoint, timeout=10) as c:
+        c.register(cache)
+        cache.fill_random(7)
+        keys = [f"long-{i}" for i in range(24)]
+        expected = [cache.block_record(b) for b in range(24)]
+        assert c.swap_out(list(range(24)), keys, wait="persisted").stored == 24
+        targets = list(range(24))
+        fill(cache, targets, SENTINEL)
+        untouched = cache.block_record(0)
+        result = c.swap_in(keys, targets)
+        assert result.status == ["loaded"] * 24
+        assert [cache.block_record(b) for b in targets] == expected
+        # Holes late in each thread's run: their slot held another record's bytes just before.
+        record_of(root, keys[21]).flip(-1)
+        assert c.delete([keys[22]]) == 1
+        fill(cache, targets, SENTINEL)
+        result = c.swap_in(keys, targets)
+        assert result.status[21:23] == ["corrupt", "miss"] and result.loaded == 21
+        assert [cache.block_record(b) for b in targets[:21]] == expected[:21]
+        assert cache.block_record(21) == untouched and cache.block_record(22) == untouched
+        assert cache.block_record(23) == (expected[23] if result.status[23] == "loaded" else untouched)
+        staging = c.stats()["read_staging"]
+        assert staging["free"] == staging["slots"]  # every read slot went back
+
+
 # -- staging slots are reused only after their write read them -------------------------------------------
 
 
