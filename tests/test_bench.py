@@ -95,3 +95,22 @@ def test_bench_plot_without_matplotlib_fails_before_measuring(tmp_path: Path) ->
     assert "--plot needs matplotlib" in result.stderr
     assert "baselines" not in result.stderr
     assert not (tmp_path / "bench").exists()
+
+
+def test_peers_smoke_prints_every_column_with_kvswap_first(tmp_path: Path) -> None:
+    """benchmarks/peers.py on a few small blocks, LMCache left out (its environment is not part
+    of the test set-up): kvswap's row is the reference (1.00 in every 'x kvswap' column), the
+    FileStore method's row has three positive rates. The script raises if any system read back
+    other bytes than it wrote."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "peers.py"
+    result = subprocess.run([sys.executable, str(script), "--blocks", "8", "--block-mib", "1", "--storage-dir",
+                             str(tmp_path), "--skip", "lmcache"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {line.split("  ")[0].strip(): line for line in result.stdout.splitlines()
+            if line.startswith(("kvswap ", "FileStore method"))}
+    assert set(rows) == {"kvswap", "FileStore method"}, result.stdout
+    ours = rows["kvswap"].split()
+    assert ours[2:7:2] == ["1.00", "1.00", "1.00"] and all(float(v) > 0 for v in ours[1:6:2]), ours
+    theirs = rows["FileStore method"].split()[2:8]
+    assert all(float(v) > 0 for v in theirs), theirs
+    assert "hot from the RAM tier" in rows["kvswap"]
