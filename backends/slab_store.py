@@ -828,7 +828,10 @@ class SlabStore(FileStore):
         with self._lock:
             known = record_name(key) in self._where
         if not known:
-            self._refresh()  # another daemon's record this one has not read of yet (as contains does)
+            # Another daemon's record this one has not read of yet, or an old-layout file the
+            # start-up scan has not reached: contains indexes either, so it is removed, not
+            # indexed again by the scan after this delete answered.
+            self.contains(key)
         return super().delete(key)
 
     def clear(self) -> int:

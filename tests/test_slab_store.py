@@ -374,6 +374,17 @@ def test_the_old_layout_is_read_beside_the_new(root) -> None:
     assert get(again, "old3") == (GetStatus.LOADED, bytes(payload_for(3)))
 
 
+def test_a_delete_of_an_old_layout_record_before_the_scan_reaches_it_stays_deleted(root) -> None:
+    old = FileBackend(root, layout="files").open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)
+    for i in range(3):
+        old.put(f"old{i}", payload_for(i))
+    new = FileBackend(root, layout="slab").open_store(NAMESPACE, DESCRIPTION, RECORD_BYTES)  # not scanned yet
+    assert new.delete("old1") and not os.path.exists(old.path_of("old1")[1])
+    new.scan()
+    assert not new.contains("old1") and get(new, "old1")[0] is GetStatus.MISS
+    assert new.contains("old0") and new.contains("old2") and new.counters["legacy_records"] == 2
+
+
 def test_a_journal_of_another_namespace_is_ignored(root) -> None:
     store = open_store(root)
     store.put("k", payload_for(1))
