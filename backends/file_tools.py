@@ -31,7 +31,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Final, Iterator
 
-
 from kvswap.protocol.errors import Corrupt, KvswapError
 from kvswap.protocol.layout import CacheLayout
 

@@ -172,16 +172,10 @@ class Swapper:
         if self.events.enabled:
             self.events.expect(namespace, keys, metas)
         status: list[str] = ["exists"] * len(keys)
-        todo: list[int] = []
-        seen: set[str] = set()
-        inflight = self._inflight.keys(namespace)
+        first: dict[str, int] = {}
         for i, key in enumerate(keys):
-            if key in seen or key in inflight:
-                continue
-            seen.add(key)
-            todo.append(i)
-        if todo:
-            todo = await run(self.threads.read, _not_stored, tiers, keys, todo)
+            first.setdefault(key, i)  # a key repeated in the request is written once
+        todo = await self._new(namespace, tiers, keys, list(first.values()))
         if wait == "persisted" and not partial and todo:
             # The engine waits for "persisted" anyway: room in write staging is waited for
             # too, up to the deadline, rather than answered busy (docs/protocol.md, swap_out).
@@ -253,15 +247,21 @@ class Swapper:
             self.metrics.blocks.labels(op="swap_out", status=s).inc()
         return SwapOutResult.of(status)
 
+    async def _new(self, namespace: str, tiers: NamespaceTiers, keys: Sequence[str], todo: list[int]) -> list[int]:
+        """The indices of ``todo`` whose keys are neither being written nor stored in every
+        store location: what a swap_out writes."""
+        inflight = self._inflight.keys(namespace)
+        todo = [i for i in todo if keys[i] not in inflight]
+        if todo:
+            todo = await run(self.threads.read, _not_stored, tiers, keys, todo)
+        return todo
+
     async def _still_new(self, namespace: str, tiers: NamespaceTiers, keys: Sequence[str], todo: list[int],
                          slots: list[Slot]) -> tuple[list[int], list[Slot]]:
         """After a wait for write staging: the keys other requests stored or started meanwhile
         are ``exists`` now, and their slots go back."""
         try:
-            inflight = self._inflight.keys(namespace)
-            keep = [i for i in todo if keys[i] not in inflight]
-            if keep:
-                keep = await run(self.threads.read, _not_stored, tiers, keys, keep)
+            keep = await self._new(namespace, tiers, keys, todo)
         except BaseException:
             await self.staging.release(slots)
             raise

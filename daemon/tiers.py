@@ -14,7 +14,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Final, Sequence
+from typing import Any, Callable, Final, Iterable, Sequence
 
 from kvswap.backends.base import Backend, GetStatus, HeldRecord, Store
 from kvswap.protocol.errors import IOFailure, KvswapError, Unavailable
@@ -68,6 +68,18 @@ def touch_pieces(keys: Sequence[str], piece: int = TOUCH_PIECE) -> list[Sequence
         if start == 0:
             return pieces
         stop = start + 1
+
+
+def _in_pieces(stores: Iterable[Store], keys: Sequence[str], apply: Callable[[Store, Sequence[str]], None],
+               pause_s: float = 0.0) -> None:
+    """``apply(store, piece)`` for each store and each of :func:`touch_pieces` of ``keys`` (cut
+    once), sleeping ``pause_s`` between a store's pieces."""
+    pieces = touch_pieces(keys)
+    for store in stores:
+        for n, piece in enumerate(pieces):
+            if n and pause_s:
+                time.sleep(pause_s)
+            apply(store, piece)
 
 
 def parse_location_list(value: str) -> list[str]:
@@ -197,19 +209,14 @@ class NamespaceTiers:
     def expect_chain(self, keys: Sequence[str]) -> None:
         """Before a swap_out writes: ``keys`` are one chain, head first (see backends/chains.py),
         told to each store in :func:`touch_pieces`."""
-        for store in self.store_to:
-            for piece in touch_pieces(keys):
-                store.expect_chain(piece)
+        _in_pieces(self.store_to, keys, lambda store, piece: store.expect_chain(piece))
 
     def touch_chain(self, keys: Sequence[str], persist: bool = False) -> None:
         """A hit prefix (lookup; swap_in with ``persist``), touched as a whole in every tier, in
-        :func:`touch_pieces` (a store's lock is held for one piece at a time)."""
-        for store in self.stores.values():
-            pieces = touch_pieces(keys)
-            for n, piece in enumerate(pieces):
-                if n:
-                    time.sleep(TOUCH_YIELD_S)  # the loop may be waiting for the GIL
-                store.touch_chain(piece, persist)
+        :func:`touch_pieces` (a store's lock is held for one piece at a time), the GIL let go
+        between pieces: the loop may be waiting for it."""
+        _in_pieces(self.stores.values(), keys, lambda store, piece: store.touch_chain(piece, persist),
+                   pause_s=TOUCH_YIELD_S)
 
     def touch_hit(self, keys: Sequence[str], persist: int) -> None:
         """A swap_in's hit prefix, touched as a whole; the first ``persist`` records also on
@@ -222,9 +229,7 @@ class NamespaceTiers:
         before it touched every tier's order (see docs/operations.md, "Prefix chains and
         eviction")."""
         if not persist:
-            for store in self.hold_from:
-                for piece in touch_pieces(keys):
-                    store.touch_chain(piece)
+            _in_pieces(self.hold_from, keys, lambda store, piece: store.touch_chain(piece))
             return
         if persist < len(keys):
             self.touch_chain(keys)  # in memory, in every tier: no I/O
