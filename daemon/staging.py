@@ -196,16 +196,11 @@ class Staging:
         """``count`` write slots now; with ``partial``, as many as are free. Raises ``TooLarge``
         when ``count`` can never fit, ``Busy`` when it does not fit now. Slots the first waiter
         (:meth:`wait_write`) still needs are not free to it: nobody overtakes the queue's head."""
-        pool = self.write
-        assert pool is not None, "Staging.prepare() was not called"
-        if count > pool.capacity and not partial:
-            raise TooLarge(f"swap_out of {count} new blocks exceeds the write staging of {pool.capacity} records",
-                           blocks=count, limit=pool.capacity)
+        pool = self._write_pool(count, partial)
         room = self._write_room()
         slots = pool.try_take(count) if count <= room else None
         if slots is None and partial:
-            slots = pool.try_take(min(count, room)) if room > 0 else []
-            slots = slots or []
+            slots = (pool.try_take(min(count, room)) if room > 0 else None) or []
         if slots is None:
             self.metrics.write_failures.labels(code="busy").inc(count)
             self._grow()
@@ -228,11 +223,7 @@ class Staging:
         never fit, ``Busy`` when the queue is full (as without waiting), ``Timeout`` when
         ``until`` passes first, and whatever ``stopped()`` returns (checked at every wake-up:
         the registration was released, the request was answered) — with no slot taken."""
-        pool = self.write
-        assert pool is not None, "Staging.prepare() was not called"
-        if count > pool.capacity:
-            raise TooLarge(f"swap_out of {count} new blocks exceeds the write staging of {pool.capacity} records",
-                           blocks=count, limit=pool.capacity)
+        pool = self._write_pool(count, partial=False)
         if not self._write_waiters:
             slots = pool.try_take(count)
             if slots is not None:
@@ -277,6 +268,16 @@ class Staging:
             except ValueError:
                 pass  # served: the queue let go of it
             self._serve_writers()  # the next one may fit now
+
+    def _write_pool(self, count: int, partial: bool) -> ArenaWindow:
+        """The write pool, once ``count`` slots are known to fit it some day (``TooLarge`` if
+        not; with ``partial``, what fits is taken)."""
+        pool = self.write
+        assert pool is not None, "Staging.prepare() was not called"
+        if count > pool.capacity and not partial:
+            raise TooLarge(f"swap_out of {count} new blocks exceeds the write staging of {pool.capacity} records",
+                           blocks=count, limit=pool.capacity)
+        return pool
 
     def _write_room(self) -> int:
         """Write slots a swap_out that does not wait may take: the free ones less what the
