@@ -41,7 +41,7 @@ from kvswap.protocol.results import SwapInResult, SwapOutResult
 
 from .background import Background
 from .config import Config
-from .data_threads import DataThreads, run
+from .data_threads import DataThreads, run, spread
 from .deadline import CopyGuard, Deadline
 from .inflight import InflightTable, InflightWrite
 from .metrics import Metrics
@@ -200,8 +200,7 @@ class Swapper:
         self.metrics.pending_writes.set(len(self._inflight))
 
         def submit(start: int, stop: int) -> Future:
-            items = [(key, entry.slot) for key, entry in entries[start:stop]]
-            return self.threads.write.submit(_write_chunk, tiers, items)
+            return _submit_writes(self.threads, tiers, [(key, entry.slot) for key, entry in entries[start:stop]])
 
         # The writes are owned before the copy starts: this request may be answered (at its
         # deadline) before the gather is back on the loop, and a flush or drain that follows the
@@ -296,9 +295,10 @@ class Swapper:
 
         async def finish(start: int, stop: int, write: Future) -> list[str]:
             try:
-                outcomes, chunk_failures = await asyncio.wrap_future(write)
-                failures.update(chunk_failures)
-            except Exception:  # _write_chunk answers per record; this is a bug
+                written: list[tuple[str, tuple[str, str, str] | None]] = await asyncio.wrap_future(write)
+                outcomes = [outcome for outcome, _ in written]
+                failures.update(failure for _, failure in written if failure is not None)
+            except Exception:  # _write_record answers per record; this is a bug
                 log.exception("writes of %d records failed", stop - start)
                 outcomes = ["internal"] * (stop - start)
             for (key, entry), outcome in zip(entries[start:stop], outcomes):
@@ -342,8 +342,8 @@ class Swapper:
             self._inflight.add(namespace, keys[i], entry)
         self.metrics.pending_writes.set(len(self._inflight))
         chunks = [(start, min(start + GATHER_CHUNK, len(entries)),
-                   self.threads.write.submit(_write_chunk, tiers, [(k, e.slot) for k, e in
-                                                                   entries[start:start + GATHER_CHUNK]], True))
+                   _submit_writes(self.threads, tiers, [(k, e.slot) for k, e in entries[start:start + GATHER_CHUNK]],
+                                  pulled=True))
                   for start in range(0, len(entries), GATHER_CHUNK)]
         gathered: asyncio.Future[list[tuple[int, int, Future]]] = loop.create_future()
         gathered.set_result(chunks)
@@ -636,24 +636,27 @@ def _fill_slots(views: list[Any], payloads: list[Any]) -> None:
         view[:] = payload
 
 
-def _write_chunk(tiers: NamespaceTiers, items: list[tuple[str, Slot]],
-                 pulled: bool = False) -> tuple[list[str], Counter]:
-    """Write a few records on one write thread: one loop wake-up per chunk, not per record.
-    Each record's outcome is its own ("stored" or an error code); failures are counted by
-    (tier, code, reason) for the request's one log line. ``pulled``: records from a peer
-    daemon, written to ``tiers.pull_to``."""
-    outcomes = []
-    failures: Counter[tuple[str, str, str]] = Counter()
-    for key, payload in items:
-        try:
-            outcomes.append(tiers.write_pulled(key, payload) if pulled else tiers.write(key, payload))
-        except KvswapError as exc:
-            failures[(str(exc.details.get("tier", "")), exc.code, str(exc.details.get("reason", exc.message)))] += 1
-            outcomes.append(exc.code)
-        except Exception:
-            log.exception("write of %s failed", key)
-            outcomes.append("internal")
-    return outcomes, failures
+def _submit_writes(threads: DataThreads, tiers: NamespaceTiers, items: list[tuple[str, Slot]],
+                   pulled: bool = False) -> Future:
+    """Write a chunk's records, each on a write job of its own (every idle write thread takes
+    one: data_threads.spread), with one loop wake-up for the chunk when its last record is
+    written. The future's result: ``(outcome, failure)`` per record (``_write_record``)."""
+    return spread(threads.write, functools.partial(_write_record, tiers, pulled), items)
+
+
+def _write_record(tiers: NamespaceTiers, pulled: bool,
+                  item: tuple[str, Slot]) -> tuple[str, tuple[str, str, str] | None]:
+    """Write one record on a write thread. Its outcome is "stored" or an error code; a failure
+    also says (tier, code, reason), counted for the request's one log line. ``pulled``: a record
+    from a peer daemon, written to ``tiers.pull_to``."""
+    key, payload = item
+    try:
+        return (tiers.write_pulled(key, payload) if pulled else tiers.write(key, payload)), None
+    except KvswapError as exc:
+        return exc.code, (str(exc.details.get("tier", "")), exc.code, str(exc.details.get("reason", exc.message)))
+    except Exception:
+        log.exception("write of %s failed", key)
+        return "internal", None
 
 
 def _scatter_many(registration: Registration, block_ids: list[int], slots: list[Any], guard: CopyGuard) -> bool:

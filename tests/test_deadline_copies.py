@@ -389,7 +389,7 @@ def test_a_flush_after_a_timed_out_swap_out_waits_for_the_records_it_copied(
         swapper = d.daemon.swapper
         held = Held(d, copy_path, monkeypatch)
         flush_arrived = threading.Event()
-        real_flush, real_submit = swapper.flush, swapper.threads.write.submit
+        real_flush, real_submit = swapper.flush, swapper_module._submit_writes
 
         async def flush() -> dict[str, Any]:
             flush_arrived.set()
@@ -397,12 +397,11 @@ def test_a_flush_after_a_timed_out_swap_out_waits_for_the_records_it_copied(
 
         def submit(*args: Any, **kwargs: Any) -> Any:
             future = real_submit(*args, **kwargs)
-            if args and args[0] is swapper_module._write_chunk:
-                flush_arrived.wait(10)  # on the copy thread: the gather returns after the flush came
+            flush_arrived.wait(10)  # on the copy thread: the gather returns after the flush came
             return future
 
         monkeypatch.setattr(swapper, "flush", flush)
-        monkeypatch.setattr(swapper.threads.write, "submit", submit)
+        monkeypatch.setattr(swapper_module, "_submit_writes", submit)
         keys = [f"flush-{i}" for i in SOURCE]
         hold = held.arm(REGIONS * swapper_module.GATHER_CHUNK - 1)  # the first chunk's last row
         try:

@@ -95,7 +95,10 @@ def test_lookup_asks_the_directory_for_keys_the_index_does_not_know(tmp_path: Pa
 
 def test_failed_writes_are_one_log_line_per_request_and_counted_by_code(tmp_path: Path, cache: HostKVCache,
                                                                          caplog: pytest.LogCaptureFixture) -> None:
-    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
+    # One write thread: the records are written in chain order, so x2 and x3 find x1 failed
+    # (with several, each may fail its own write first: io_error, as correct an answer).
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0, write_threads=1) as d, \
+            Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         disk = d.daemon.file_backend.disk
 
@@ -441,13 +444,13 @@ def test_a_bug_in_the_write_path_answers_internal_and_frees_every_slot(tmp_path:
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     from kvswap.daemon import swapper as swapper_module
 
-    def broken(tiers, items):
+    def broken(tiers, pulled, item):
         raise RuntimeError("a bug")
 
     with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         slots = c.stats()["write_staging"]["slots"]
-        monkeypatch.setattr(swapper_module, "_write_chunk", broken)
+        monkeypatch.setattr(swapper_module, "_write_record", broken)
         with caplog.at_level("ERROR"):
             out = c.swap_out(list(range(6)), [f"k{i}" for i in range(6)], wait="persisted")
         assert out.status == ["internal"] * 6 and out.failed == 6
