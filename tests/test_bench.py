@@ -25,6 +25,7 @@ EXPECTED = {
     "ping p99 under load vs echo floor": "echo ping p99",
     "lookup 1000 keys p99 under load vs echo floor": "echo lookup 1000 keys p99",
 }
+ALTERNATED = ["swap_out copied, until written", "swap_out persisted", "swap_in cold"]
 UNBASED = ["swap_out copied latency p50", "swap_out copied latency p99", "ping p50 under load",
            "ping p99 under load", "lookup 1000 keys p50 under load", "lookup 1000 keys p99 under load",
            "echo ping p50 under load", "echo ping p99 under load", "echo lookup 1000 keys p50 under load",
@@ -77,8 +78,17 @@ def test_bench_quick_produces_every_field(tmp_path: Path) -> None:
     assert "CPUs" in data["machine"] and data["fsync"] == "none"
     # The conversion is the shared-memory mover's gather, and the report names its copy path.
     assert data["conversion_copy"] in ("native", "preadv")
-    # The bench cleans up after itself: no record left in either file layout.
+    # The disk rows took turns with their raw baselines (--quick: 2 rounds), each round's ratio
+    # kept; the rows' own ratio is bytes over summed seconds, so it lies within the rounds'.
+    assert data["rounds"] == 2
+    for name in ALTERNATED:
+        row = results[name]
+        assert row["baseline"].endswith(", alternated") and len(row["round_ratios"]) == 2, name
+        assert min(row["round_ratios"]) * 0.99 <= row["ratio"] <= max(row["round_ratios"]) * 1.01, (name, row)
+    assert "round_ratios" not in results["swap_in warm (page cache)"]
+    # The bench cleans up after itself: no record left in either file layout, nor its raw file.
     assert records_on_disk(tmp_path / "bench") == []
+    assert not [p for p in (tmp_path / "bench").iterdir() if p.name.startswith(".bench-raw")]
 
 
 def test_bench_plot_without_matplotlib_fails_before_measuring(tmp_path: Path) -> None:
@@ -114,3 +124,29 @@ def test_peers_smoke_prints_every_column_with_kvswap_first(tmp_path: Path) -> No
     theirs = rows["FileStore method"].split()[2:8]
     assert all(float(v) > 0 for v in theirs), theirs
     assert "hot from the RAM tier" in rows["kvswap"]
+
+
+def test_rounds_cut_batches_in_order_and_alternate_who_goes_first() -> None:
+    from kvswap.daemon.tools.bench import Alternation, in_rounds
+
+    batches = [[0, 1], [2, 3], [4, 5], [6]]
+    assert in_rounds(batches, 2) == [[[0, 1], [2, 3]], [[4, 5], [6]]]
+    assert in_rounds(batches, 3) == [[[0, 1], [2, 3]], [[4, 5], [6]]]  # whole batches: 2 a round
+    assert in_rounds(batches, 9) == [[b] for b in batches]
+    assert in_rounds(batches, 1) == [batches]
+    order: list[str] = []
+
+    def timed(who: str, seconds: float):
+        def run() -> float:
+            order.append(who)
+            return seconds
+        return run
+
+    alt = Alternation()
+    for d, r in ((1.0, 2.0), (4.0, 1.0), (1.0, 1.0)):
+        alt.round(100, 200, timed("daemon", d), timed("raw", r))
+    assert order == ["daemon", "raw", "raw", "daemon", "daemon", "raw"]
+    # Per round: (100 B / d s) / (200 B / r s); overall: the bytes and seconds summed.
+    assert alt.ratios == [1.0, 0.125, 0.5]
+    assert (alt.daemon_s, alt.raw_s) == (6.0, 4.0)
+    assert abs(alt.gbps - 300 / 6.0 / 1e9) < 1e-18 and abs(alt.raw_gbps - 600 / 4.0 / 1e9) < 1e-18

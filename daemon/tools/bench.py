@@ -66,6 +66,8 @@ class Row:
     baseline_value: float = 0.0
     #: How many measurements the value summarises (latency quantiles), 0 when not a sample.
     samples: int = 0
+    #: Each round's own ratio, where the value and its baseline were timed in alternating rounds.
+    rounds: list[float] = field(default_factory=list)
 
     @property
     def ratio(self) -> float | None:
@@ -89,12 +91,14 @@ class Report:
     threads: tuple[int, int] = (0, 0)
     #: The shared-memory mover's copy path the host layout conversion ran on (native, preadv).
     conversion_copy: str = ""
+    #: Rounds the disk rows alternated with their raw baselines (Alternation).
+    rounds: int = 1
     rows: list[Row] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
     def add(self, name: str, value: float, unit: str, baseline: str = "", baseline_value: float = 0.0,
-            samples: int = 0) -> None:
-        self.rows.append(Row(name, value, unit, baseline, baseline_value, samples))
+            samples: int = 0, rounds: Sequence[float] = ()) -> None:
+        self.rows.append(Row(name, value, unit, baseline, baseline_value, samples, list(rounds)))
         if samples and samples < P99_MIN_SAMPLES and "p99" in name:
             self.warnings.append(f"{name}: only {samples} samples, too few for a p99 "
                                  f"(want {P99_MIN_SAMPLES}+; the value is about the worst sample)")
@@ -104,13 +108,15 @@ class Report:
             "preset": self.preset, "record_bytes": self.record_bytes, "blocks": self.blocks, "batch": self.batch,
             "direct_io": self.direct_io, "cold_method": self.cold_method, "fsync": self.fsync,
             "host_tier": self.host_tier, "write_threads": self.threads[0], "read_threads": self.threads[1],
-            "conversion_copy": self.conversion_copy,
+            "conversion_copy": self.conversion_copy, "rounds": self.rounds,
             "machine": machine(), "warnings": list(self.warnings),
             "results": {r.name: {"value": int(r.value) if r.is_count else _sig(r.value), "unit": r.unit,
                                  "baseline": r.baseline or None,
                                  "baseline_value": _sig(r.baseline_value) or None,
                                  "ratio": _sig(r.ratio) if r.ratio is not None else None,
-                                 **({"samples": r.samples} if r.samples else {})} for r in self.rows},
+                                 **({"samples": r.samples} if r.samples else {}),
+                                 **({"round_ratios": [_sig(x) for x in r.rounds]} if r.rounds else {})}
+                        for r in self.rows},
         }
 
     def table(self) -> str:
@@ -119,6 +125,7 @@ class Report:
                  f"fsync {self.fsync}, host tier {'on' if self.host_tier else 'off'}, "
                  f"{self.threads[0]} write / {self.threads[1]} read threads",
                  f"cold reads: {self.cold_method}", f"machine: {machine()}",
+                 f"disk rows: {self.rounds} rounds alternated with their raw baselines (ratio range per round at the end)",
                  *([f"host layout conversion: the shared-memory mover, {self.conversion_copy} copy"]
                    if self.conversion_copy else []), "",
                  f"{'measure':42}{'value':>12}  {'unit':8}{'baseline':>36}{'ratio':>8}"]
@@ -128,6 +135,8 @@ class Report:
             value = f"{int(r.value):12d}" if r.is_count else f"{r.value:12.3f}"
             name = f"{r.name} (n={r.samples})" if r.samples else r.name
             lines.append(f"{name:42}{value}  {r.unit:8}{base:>36}{ratio:>8}")
+        lines += [f"{r.name}: rounds {min(r.rounds):.2f}x to {max(r.rounds):.2f}x"
+                  for r in self.rows if r.rounds]
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -176,23 +185,56 @@ class RawIO:
     cold_method: str
 
 
-def raw_parallel_io(directory: str, nbytes: int, record_bytes: int, write_threads: int, read_threads: int,
-                    fsync: str = "none", drop_caches: bool = False) -> RawIO:
-    """Write then read ``nbytes`` as record-sized requests spread over the daemon's thread
-    counts, in one file. With ``fsync`` other than none every request is followed by an
-    fdatasync, as the daemon does per record."""
-    request = (record_bytes + ALIGN - 1) // ALIGN * ALIGN
-    count = max(1, nbytes // request)
-    path = os.path.join(directory, f".bench-raw-{os.getpid()}")
-    direct = bool(_O_DIRECT)
-    bufs = [aligned_empty(request) for _ in range(max(write_threads, read_threads))]
-    for b in bufs:
-        b[:] = np.random.default_rng(1).integers(0, 256, request, dtype=np.uint8)
+class RawFile:
+    """A raw baseline's file beside the daemon's records: ``count`` record-sized requests
+    (one record rounded up to 4 KiB), written and read by ``threads`` threads, each request
+    ``i`` at offset ``i * request``; O_DIRECT where the file system takes it. With ``fsync``
+    other than none every write is followed by an fdatasync, as the daemon does per record.
 
-    def run(fd: int, threads: int, op: Callable[[int, list, int], int], sync: bool) -> float:
+    ``preallocate``: the file's blocks are allocated at once (``posix_fallocate``), as the
+    slab layout grows its slab files, so each request's first write lands where the daemon's
+    first write of a record does: in allocated, never written blocks. That matters: on this
+    VM's ext4 such writes ran 1.7-1.8 GB/s where overwrites of written blocks ran 2.6-3.2
+    (4 threads, 2 MiB), so a baseline that overwrote would flatter the disk against a daemon
+    filling new slots."""
+
+    def __init__(self, directory: str, record_bytes: int, count: int, threads: int, fsync: str = "none",
+                 name: str = "", preallocate: bool = False) -> None:
+        self.request = (record_bytes + ALIGN - 1) // ALIGN * ALIGN
+        self.count = max(1, count)
+        self.sync = fsync != "none"
+        self.path = os.path.join(directory, f".bench-raw-{os.getpid()}{name}")
+        self.bufs = [aligned_empty(self.request) for _ in range(max(1, threads))]
+        for b in self.bufs:
+            b[:] = np.random.default_rng(1).integers(0, 256, self.request, dtype=np.uint8)
+        fd, self.direct = _create_for_write(self.path, bool(_O_DIRECT))
+        try:
+            if preallocate:
+                os.posix_fallocate(fd, 0, self.count * self.request)
+        finally:
+            os.close(fd)
+
+    def write(self, threads: int, first: int = 0, count: int | None = None) -> float:
+        """Seconds to write requests ``first .. first + count`` (all by default)."""
+        fd = os.open(self.path, os.O_WRONLY | (_O_DIRECT if self.direct else 0))
+        try:
+            return self._run(fd, threads, os.pwritev, first, self.count if count is None else count, self.sync)
+        finally:
+            os.close(fd)
+
+    def read(self, threads: int, direct: bool, first: int = 0, count: int | None = None) -> float:
+        """Seconds to read requests ``first .. first + count``; ``direct``: with O_DIRECT."""
+        fd = os.open(self.path, os.O_RDONLY | (_O_DIRECT if direct else 0))
+        try:
+            return self._run(fd, threads, os.preadv, first, self.count if count is None else count, False)
+        finally:
+            os.close(fd)
+
+    def _run(self, fd: int, threads: int, op: Callable[[int, list, int], int], first: int, count: int,
+             sync: bool) -> float:
         def worker(w: int) -> None:
-            for i in range(w, count, threads):
-                op(fd, [bufs[w]], i * request)
+            for i in range(first + w, first + count, threads):
+                op(fd, [self.bufs[w]], i * self.request)
                 if sync:
                     os.fdatasync(fd)
 
@@ -201,32 +243,75 @@ def raw_parallel_io(directory: str, nbytes: int, record_bytes: int, write_thread
             list(pool.map(worker, range(threads)))
         return time.perf_counter() - t
 
-    try:
-        fd, direct = _create_for_write(path, direct)
-        write_s = run(fd, write_threads, os.pwritev, fsync != "none")
-        os.close(fd)
-        cold_s = 0.0
-        cold_method = ""
-        if direct:
-            fd = os.open(path, os.O_RDONLY | _O_DIRECT)
-            cold_s = run(fd, read_threads, os.preadv, False)
-            os.close(fd)
-            cold_method = "O_DIRECT reads"
-        if not direct and drop_caches and drop_page_cache():
-            fd = os.open(path, os.O_RDONLY)
-            cold_s = run(fd, read_threads, os.preadv, False)
-            os.close(fd)
-            cold_method = "buffered reads after drop_caches"
-        fd = os.open(path, os.O_RDONLY)
-        run(fd, read_threads, os.preadv, False)  # fills the page cache
-        warm_s = run(fd, read_threads, os.preadv, False)
-        os.close(fd)
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
-    total = count * request
-    return RawIO(total / write_s / 1e9, total / cold_s / 1e9 if cold_s else 0.0, total / warm_s / 1e9, direct,
+    def remove(self) -> None:
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def raw_parallel_io(raw: RawFile, write_threads: int, read_threads: int, drop_caches: bool = False) -> RawIO:
+    """Write then read the whole raw file once, spread over the daemon's thread counts: the
+    up-front baselines (the rounds that alternate with the daemon's passes are
+    :class:`Alternation`'s)."""
+    write_s = raw.write(write_threads)
+    cold_s = 0.0
+    cold_method = ""
+    if raw.direct:
+        cold_s = raw.read(read_threads, direct=True)
+        cold_method = "O_DIRECT reads"
+    if not raw.direct and drop_caches and drop_page_cache():
+        cold_s = raw.read(read_threads, direct=False)
+        cold_method = "buffered reads after drop_caches"
+    raw.read(read_threads, direct=False)  # fills the page cache
+    warm_s = raw.read(read_threads, direct=False)
+    total = raw.count * raw.request
+    return RawIO(total / write_s / 1e9, total / cold_s / 1e9 if cold_s else 0.0, total / warm_s / 1e9, raw.direct,
                  cold_method)
+
+
+@dataclass
+class Alternation:
+    """A daemon pass and its raw baseline over the same bytes, timed in rounds that take turns
+    (daemon first in even rounds, raw first in odd ones), so the disk's own drift (this VM's
+    virtio disk wrote 1.2 to 5 GB/s minutes apart) falls on both alike. The value is bytes
+    over the daemon's seconds summed, the baseline the same for the raw passes; ``ratios``
+    are the rounds' own."""
+
+    daemon_s: float = 0.0
+    raw_s: float = 0.0
+    daemon_bytes: int = 0
+    raw_bytes: int = 0
+    ratios: list[float] = field(default_factory=list)
+
+    def round(self, daemon_bytes: int, raw_bytes: int, daemon: Callable[[], float], raw: Callable[[], float]) -> None:
+        """One round: ``daemon()`` moves ``daemon_bytes`` (its records), ``raw()`` as many
+        requests of ``raw_bytes`` in all (records rounded up to 4 KiB); each returns its seconds."""
+        if len(self.ratios) % 2 == 0:
+            d = daemon()
+            r = raw()
+        else:
+            r = raw()
+            d = daemon()
+        self.daemon_s += d
+        self.raw_s += r
+        self.daemon_bytes += daemon_bytes
+        self.raw_bytes += raw_bytes
+        self.ratios.append((daemon_bytes / d) / (raw_bytes / r) if d and r else 0.0)
+
+    @property
+    def gbps(self) -> float:
+        return self.daemon_bytes / self.daemon_s / 1e9 if self.daemon_s else 0.0
+
+    @property
+    def raw_gbps(self) -> float:
+        return self.raw_bytes / self.raw_s / 1e9 if self.raw_s else 0.0
+
+
+def in_rounds(batches: list[list[int]], rounds: int) -> list[list[list[int]]]:
+    """``batches`` cut into ``rounds`` consecutive groups of whole batches (fewer groups when
+    there are fewer batches). ``in_rounds([[0, 1], [2, 3], [4]], 2) == [[[0, 1], [2, 3]], [[4]]]``."""
+    rounds = max(1, min(rounds, len(batches)))
+    size = -(-len(batches) // rounds)
+    return [batches[i:i + size] for i in range(0, len(batches), size)]
 
 
 def _create_for_write(path: str, direct: bool) -> tuple[int, bool]:
@@ -410,9 +495,70 @@ def _reader_pass(storage_dir: str, daemon_args: Sequence[str], extra: Sequence[s
         return _swap_in_all(c, keys, batches)
 
 
+def _count(group: list[list[int]]) -> int:
+    return sum(map(len, group))
+
+
+def _bytes(group: list[list[int]], record: int) -> int:
+    return _count(group) * record
+
+
+def _swap_out_persisted(c: Client, keys: list[str], group: list[list[int]]) -> float:
+    """One round of swap_outs answered "persisted", one request after another; seconds."""
+    t0 = time.perf_counter()
+    for ids in group:
+        _retry_busy(lambda: c.swap_out(ids, [keys[i] for i in ids], wait="persisted"))
+    return time.perf_counter() - t0
+
+
+class _CopiedStream:
+    """swap_outs answered "copied" in rounds: each round streams its batches (the next request
+    sent as the last is answered) and then flushes, timed until written; the time until the
+    last answer, each request's latency and the daemon's CPU are summed over the rounds."""
+
+    def __init__(self, c: Client, keys: list[str], record: int, pid: int) -> None:
+        self.c, self.keys, self.record, self.pid = c, keys, record, pid
+        self.copied_s = 0.0
+        self.latencies: list[float] = []
+        self._cpu = 0.0
+        self._drained_s = 0.0
+
+    def run(self, group: list[list[int]]) -> float:
+        cpu0, t0 = _cpu_seconds(self.pid), time.perf_counter()
+        for ids in group:
+            t = time.perf_counter()
+            _retry_busy(lambda: self.c.swap_out(ids, [self.keys[i] for i in ids], wait="copied"))
+            self.latencies.append(time.perf_counter() - t)
+        self.copied_s += time.perf_counter() - t0
+        self.c.flush()
+        drained = time.perf_counter() - t0
+        self._drained_s += drained
+        self._cpu += _cpu_seconds(self.pid) - cpu0
+        return drained
+
+    @property
+    def busy_cpu(self) -> float:
+        """The daemon's CPU seconds per second while it copied and wrote."""
+        return self._cpu / self._drained_s if self._drained_s else 0.0
+
+
+def _cold_rounds(storage_dir: str, daemon_args: Sequence[str], extra: Sequence[str], cache: HostKVCache,
+                 keys: list[str], groups: list[list[list[int]]], raw_file: RawFile, threads: int,
+                 record: int) -> Alternation:
+    """swap_in by a fresh daemon on the same directory (the flags here: no host tier, O_DIRECT
+    reads) in rounds alternated with raw O_DIRECT reads of as many requests."""
+    cold = Alternation()
+    with LocalDaemon(storage_dir, (*daemon_args, *extra)) as daemon, Client(daemon.endpoint, timeout=120) as c:
+        c.register(cache)
+        for group in groups:
+            cold.round(_bytes(group, record), _bytes(group, raw_file.request), lambda: _swap_in_all(c, keys, group),
+                       lambda: raw_file.read(threads, True, group[0][0], _count(group)))
+    return cold
+
+
 def run_bench(preset: str = "small", blocks: int = 512, batch: int = 32, storage_dir: str | None = None,
               daemon_args: tuple[str, ...] = (), idle_s: float = 5.0, latency_samples: int = 300,
-              say: Callable[[str], None] = lambda s: None, drop_caches: bool = False) -> Report:
+              say: Callable[[str], None] = lambda s: None, drop_caches: bool = False, rounds: int = 4) -> Report:
     layout = preset_layout(preset, blocks)
     record = layout.record_bytes
     total = record * blocks
@@ -424,13 +570,28 @@ def run_bench(preset: str = "small", blocks: int = 512, batch: int = 32, storage
         owned_tmp = tempfile.TemporaryDirectory(prefix="kvswap-bench-", dir=".")
         storage_dir = owned_tmp.name
     os.makedirs(storage_dir, mode=0o700, exist_ok=True)
+    raw_files: list[RawFile] = []
     try:
         say(f"baselines: memcpy; raw write and read, {write_threads}/{read_threads} threads, "
             f"{record / 2**20:.2f} MiB requests")
         copy_gbps = memcpy_gbps(total)
-        raw = raw_parallel_io(storage_dir, total, record, write_threads, read_threads, fsync, drop_caches)
+        up_front = RawFile(storage_dir, record, blocks, max(write_threads, read_threads), fsync)
+        try:
+            raw = raw_parallel_io(up_front, write_threads, read_threads, drop_caches)
+        finally:
+            up_front.remove()
+        # The rounds' raw writes land in never written blocks, as the daemon's records do in
+        # new slots: one preallocated file per write phase. The persisted phase's file, written
+        # whole by then, is what the cold rounds read.
+
+        def fresh(name: str) -> RawFile:
+            raw_files.append(RawFile(storage_dir, record, blocks, max(write_threads, read_threads), fsync, name,
+                                     preallocate=True))
+            return raw_files[-1]
+
         mode = "O_DIRECT" if raw.direct else "buffered"
         raw_write = f"raw {mode} write x{write_threads}"
+        alternated = f"{raw_write}, alternated"
         args = ("--direct-io", "auto", *daemon_args)
         with HostKVCache.create(layout) as cache:
             cache.fill_random(int.from_bytes(os.urandom(4), "little"))
@@ -442,8 +603,9 @@ def run_bench(preset: str = "small", blocks: int = 512, batch: int = 32, storage
                 pid = daemon.proc.pid  # type: ignore[union-attr]
                 tag = os.urandom(3).hex()
                 batches = [list(range(s, min(s + batch, blocks))) for s in range(0, blocks, batch)]
+                groups = in_rounds(batches, rounds)
                 report = Report(preset, record, blocks, batch, direct, "", fsync, host_tier,
-                                (write_threads, read_threads))
+                                (write_threads, read_threads), rounds=len(groups))
 
                 if host_tier:
                     fill_gbps = _fill_ram_tier(c, stats, batches, record, tag, say)
@@ -460,31 +622,33 @@ def run_bench(preset: str = "small", blocks: int = 512, batch: int = 32, storage
                 report.add(f"swap_out copied, one request of {len(batches[0])}, idle", statistics.median(single),
                            "GB/s", "memcpy", copy_gbps)
 
-                say("swap_out, answered when copied")
+                say(f"swap_out, answered when copied; {len(groups)} rounds alternated with raw writes")
                 keys_a = [f"a{tag}-{i}" for i in range(blocks)]
-                cpu0, t0 = _cpu_seconds(pid), time.perf_counter()
-                lat = []
-                for ids in batches:
-                    t = time.perf_counter()
-                    _retry_busy(lambda: c.swap_out(ids, [keys_a[i] for i in ids], wait="copied"))
-                    lat.append(time.perf_counter() - t)
-                copied_s = time.perf_counter() - t0
-                c.flush()
-                drained_s = time.perf_counter() - t0
-                busy_cpu = (_cpu_seconds(pid) - cpu0) / drained_s
-                p50, p99 = _quantiles(lat)
-                report.add("swap_out copied", total / copied_s / 1e9, "GB/s", "memcpy", copy_gbps)
-                report.add("swap_out copied, until written", total / drained_s / 1e9, "GB/s", raw_write, raw.write)
-                report.add("swap_out copied latency p50", p50 * 1e3, "ms", samples=len(lat))
-                report.add("swap_out copied latency p99", p99 * 1e3, "ms", samples=len(lat))
+                copied = _CopiedStream(c, keys_a, record, pid)
+                until_written = Alternation()
+                raw_io = fresh("-copied")
+                for group in groups:
+                    until_written.round(_bytes(group, record), _bytes(group, raw_io.request), lambda: copied.run(group),
+                                        lambda: raw_io.write(write_threads, group[0][0], _count(group)))
+                p50, p99 = _quantiles(copied.latencies)
+                report.add("swap_out copied", total / copied.copied_s / 1e9, "GB/s", "memcpy", copy_gbps)
+                report.add("swap_out copied, until written", until_written.gbps, "GB/s", alternated,
+                           until_written.raw_gbps, rounds=until_written.ratios)
+                report.add("swap_out copied latency p50", p50 * 1e3, "ms", samples=len(copied.latencies))
+                report.add("swap_out copied latency p99", p99 * 1e3, "ms", samples=len(copied.latencies))
+                busy_cpu = copied.busy_cpu
 
-                say("swap_out, answered when persisted")
+                say(f"swap_out, answered when persisted; {len(groups)} rounds alternated with raw writes")
                 keys_b = [f"b{tag}-{i}" for i in range(blocks)]
-                t0 = time.perf_counter()
-                for ids in batches:
-                    _retry_busy(lambda: c.swap_out(ids, [keys_b[i] for i in ids], wait="persisted"))
-                persisted_s = time.perf_counter() - t0
-                report.add("swap_out persisted", total / persisted_s / 1e9, "GB/s", raw_write, raw.write)
+                persisted = Alternation()
+                raw_files.pop().remove()
+                raw_io = fresh("-persisted")
+                for group in groups:
+                    persisted.round(_bytes(group, record), _bytes(group, raw_io.request),
+                                    lambda: _swap_out_persisted(c, keys_b, group),
+                                    lambda: raw_io.write(write_threads, group[0][0], _count(group)))
+                report.add("swap_out persisted", persisted.gbps, "GB/s", alternated, persisted.raw_gbps,
+                           rounds=persisted.ratios)
 
                 # Hot from RAM means the records RAM holds: where the tier is smaller than the
                 # key set (8b records of 8 MiB against a 3 GiB tier), the newest batches that fit.
@@ -533,7 +697,12 @@ def run_bench(preset: str = "small", blocks: int = 512, batch: int = 32, storage
                     report.cold_method = "not measured: drop_caches needs root"
             else:
                 report.cold_method = "not measured: no O_DIRECT here; pass --drop-caches (as root) to drop the page cache"
-            if cold_extra is not None:
+            if cold_extra is not None and raw.direct:
+                say(f"swap_in cold: {report.cold_method}; {len(groups)} rounds alternated with raw O_DIRECT reads")
+                cold = _cold_rounds(storage_dir, args, cold_extra, cache, keys_a, groups, raw_io, read_threads, record)
+                report.add("swap_in cold", cold.gbps, "GB/s", f"raw {mode} read x{read_threads}, alternated",
+                           cold.raw_gbps, rounds=cold.ratios)
+            elif cold_extra is not None:  # after a drop of the page cache: one pass, the up-front baseline
                 say("swap_in cold: " + report.cold_method)
                 cold_s = _reader_pass(storage_dir, args, cold_extra, cache, keys_a, batches, 1)
                 report.add("swap_in cold", total / cold_s / 1e9, "GB/s", f"raw {mode} read x{read_threads}",
@@ -552,6 +721,8 @@ def run_bench(preset: str = "small", blocks: int = 512, batch: int = 32, storage
         report.add("host layout conversion vs bulk", gather, "GB/s", "memcpy bulk", bulk)
         return report
     finally:
+        for raw_file in raw_files:
+            raw_file.remove()
         if owned_tmp is not None:
             owned_tmp.cleanup()
 

@@ -32,9 +32,12 @@ from .presets import PRESETS
               help="Also sweep block sizes and plot throughput vs record size (needs matplotlib).")
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True,
               help="Runs per block size in the --plot sweep (error bars span them).")
+@click.option("--rounds", type=click.IntRange(1), default=4, show_default=True,
+              help="Rounds in which the disk rows (swap_out persisted, copied until written, swap_in cold) "
+                   "take turns with their raw baselines, so the disk's drift falls on both.")
 def bench(preset: str, blocks: int, batch: int, storage_dir: str | None, fsync: str, daemon_args: tuple[str, ...],
           idle_seconds: float, latency_samples: int, drop_caches: bool, quick: bool, as_json: bool,
-          plot_path: str | None, repeats: int) -> None:
+          plot_path: str | None, repeats: int, rounds: int) -> None:
     """Measure the daemon against raw disk and memcpy baselines from the same run."""
     from .bench import plot_sweep, run_bench
 
@@ -46,6 +49,7 @@ def bench(preset: str, blocks: int, batch: int, storage_dir: str | None, fsync: 
     if quick:
         preset, blocks, batch, idle_seconds = "tiny", min(blocks, 64), min(batch, 16), 0.5
         latency_samples = min(latency_samples, 30)
+        rounds = min(rounds, 2)
     say = (lambda s: click.echo(s, err=True))
     if drop_caches:
         say("--drop-caches: where cold reads need it, the page cache of the whole machine is dropped")
@@ -53,7 +57,7 @@ def bench(preset: str, blocks: int, batch: int, storage_dir: str | None, fsync: 
     if quick:  # a RAM tier the run can fill in a second (the bench fills it once first)
         args = ("--host-tier-bytes", "1MiB", *args)
     report = run_bench(preset, blocks, batch, storage_dir, args, idle_s=idle_seconds,
-                       latency_samples=latency_samples, say=say, drop_caches=drop_caches)
+                       latency_samples=latency_samples, say=say, drop_caches=drop_caches, rounds=rounds)
     out = report.as_dict()
     if plot_path:
         sizes = [16, 32] if quick else [16, 32, 64, 128, 256]
