@@ -32,7 +32,7 @@ from .limits import (
     MAX_WAIT_MS,
     PROTOCOL_VERSION,
     check_count,
-    check_key,
+    check_keys,
 )
 
 MAX_REQUEST_ID: Final = 2**64 - 1
@@ -69,7 +69,7 @@ def _keys(name: str, value: Any) -> tuple[str, ...]:
     if not isinstance(value, list):
         raise BadRequest(f"{name} must be a list of strings", field=name)
     check_count(name, len(value))
-    return tuple(check_key(k, i) for i, k in enumerate(value))
+    return check_keys(value)
 
 
 def _block_ids(name: str, value: Any) -> tuple[int, ...]:

@@ -80,6 +80,20 @@ def test_index_merge_puts_scanned_records_before_used_ones() -> None:
     assert [index.take_victim()[0] for _ in range(3)] == ["older", "old", "fresh"]
 
 
+def test_present_prefix_counts_stuck_records_and_what_the_caller_holds() -> None:
+    index = RecordIndex()
+    for name in "abde":
+        index.add(name, 10)
+    victim = index.take_victim()
+    assert victim is not None
+    index.mark_stuck(victim[0], 10)  # taken to be deleted, its file still there: still readable
+    names = list("abcdef")
+    assert index.present_prefix(names) == 2  # c is neither stored nor held
+    assert index.present_prefix(names, lambda i: names[i] == "c") == 5
+    assert index.present_prefix(names, lambda i: names[i] in "cf") == 6
+    assert index.present_prefix([]) == 0
+
+
 def test_the_cap_is_never_exceeded_and_recent_records_stay(tmp_path) -> None:
     store = open_store(tmp_path, records_cap=10)
     assert store.try_lead()

@@ -130,6 +130,22 @@ def test_cached_prefix_counts_keys_the_caller_holds_as_present(store):
     assert store.cached_prefix(["a", "b", "c", "d"], also_present={"b"}) == 3
 
 
+def test_cached_prefix_across_the_pieces_it_names_keys_in(store):
+    # Names are made 64, then 256, then 1,024 keys at a time: hits, holes the caller holds and
+    # the first miss are found on either side of those boundaries.
+    keys = [f"k{i}" for i in range(400)]
+    held = {"k10", "k63", "k64", "k300"}
+    for key in keys[:350]:
+        if key not in held:
+            store.put(key, payload_for(1))
+    assert store.cached_prefix(keys[:64]) == 10
+    assert store.cached_prefix(keys, also_present=held) == 350
+    assert store.cached_prefix(keys[:320], also_present=held) == 320
+    assert store.cached_prefix(keys[11:], also_present={"k63"}) == 64 - 11  # k64 neither stored nor held
+    assert store.cached_prefix(keys[65:], also_present=held) == 350 - 65
+    assert store.cached_prefix([]) == 0
+
+
 def test_contains(store):
     assert store.contains("a") is False
     store.put("a", payload_for(1))

@@ -30,6 +30,7 @@ from kvswap.protocol.limits import (
     MAX_TIMEOUT_MS,
     check_count,
     check_key,
+    check_keys,
 )
 from kvswap.protocol.messages import (
     MAX_REQUEST_ID,
@@ -833,3 +834,35 @@ def test_lookup_leaves_its_peer_fields_off_the_wire_at_their_defaults() -> None:
         encode_request(Lookup(id=1, keys=("a",), peer="10.0.0.5:55500"))
     with pytest.raises(BadRequest):
         encode_request(PeerExport(id=1, keys=("a",), namespace="not-hex"))
+
+
+# Keys near the grammar's edges: its alphabet, the bytes a key may not start with, a newline
+# (what check_keys joins keys with), a space, non-ASCII, lengths around the limit, non-strings.
+_KEY_PARTS = st.text(alphabet="aZ09_.:=+-\n é", max_size=6)
+_EDGE_KEYS = st.one_of(
+    _KEY_PARTS,
+    st.builds(lambda p, n: p + "a" * n, _KEY_PARTS, st.sampled_from([0, 120, 127, 128, 129])),
+    st.sampled_from(["", "a", ".a", "a.", "-", "a\n", "\na", "k" * MAX_KEY_LENGTH, "k" * (MAX_KEY_LENGTH + 1)]),
+    st.integers(), st.none(), st.binary(max_size=3),
+)
+
+
+@settings(max_examples=600, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_EDGE_KEYS, max_size=6))
+def test_check_keys_decides_as_check_key_does_key_by_key(keys: list) -> None:
+    """The all-at-once check accepts exactly the lists whose every key check_key accepts, and
+    refuses the others with check_key's error for the first bad key."""
+    expected: tuple | InvalidKey
+    try:
+        expected = tuple(check_key(k, i) for i, k in enumerate(keys))
+    except InvalidKey as exc:
+        expected = exc
+    try:
+        got: tuple | InvalidKey = check_keys(keys)
+    except InvalidKey as exc:
+        got = exc
+    if isinstance(expected, InvalidKey):
+        assert isinstance(got, InvalidKey)
+        assert (got.message, got.details) == (expected.message, expected.details)
+    else:
+        assert got == expected and all(type(k) is str for k in got)
