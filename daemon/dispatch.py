@@ -35,16 +35,22 @@ log = logging.getLogger("kvswap.daemon")
 
 #: What runs a decoded request: its result (a map for the wire) or a raised typed error.
 Handle = Callable[[m.Request, Deadline], Awaitable[dict[str, Any]]]
+#: What answers a decoded request from memory on the spot: its result, or None where it must
+#: wait (I/O, a thread, a peer), and so runs as a task with ``Handle``.
+AnswerNow = Callable[[m.Request], "dict[str, Any] | None"]
 
 
 class Dispatcher:
-    """Reads frames, starts one task per request, answers each exactly once."""
+    """Reads frames and answers each exactly once: at once where memory alone answers it
+    (``answer_now``), else from a task of its own."""
 
-    def __init__(self, config: Config, metrics: Metrics, budget: RequestBudget, handle: Handle) -> None:
+    def __init__(self, config: Config, metrics: Metrics, budget: RequestBudget, handle: Handle,
+                 answer_now: AnswerNow | None = None) -> None:
         self.config = config
         self.metrics = metrics
         self.budget = budget
         self.handle = handle
+        self.answer_now = answer_now
         #: False while the daemon starts and once it drains: new requests get 'unavailable'.
         self.serving = False
         self.sock: zmq.asyncio.Socket | None = None
@@ -77,9 +83,9 @@ class Dispatcher:
                     continue
                 self._take(frames)
                 del frames  # the task holds the frame only until it is decoded
-                # Let the task decode its frame (and a ping answer) before the next frame is
-                # read: a receive completes at once while frames are queued, so without this
-                # yield a flood of frames became tasks ahead of everyone else's (a ping waited 5 s).
+                # Let the frame's task start before the next frame is read: a receive completes
+                # at once while frames are queued, so without this yield a flood of frames
+                # became tasks ahead of everyone else's (a ping waited 5 s).
                 await asyncio.sleep(0)
         finally:
             loop.remove_reader(fd)
@@ -97,9 +103,13 @@ class Dispatcher:
             if isinstance(refusal, Busy):
                 self._count_refusal()
             return
+        started = time.perf_counter()
+        request = self._decode(envelope, payload, started)
+        if request is None or self._answered_now(envelope, request, started):
+            return
         client = envelope[0]
         self.per_client[client] = self.per_client.get(client, 0) + 1
-        task = asyncio.ensure_future(self._answer(envelope, payload))
+        task = asyncio.ensure_future(self._answer(envelope, request, started))
         self.requests.add(task)
         task.add_done_callback(self.requests.discard)
         task.add_done_callback(functools.partial(self._client_done, client))
@@ -160,38 +170,68 @@ class Dispatcher:
 
     # -- one request ----------------------------------------------------------------------------
 
-    async def _answer(self, envelope: list[bytes], payload: memoryview) -> None:
+    def _decode(self, envelope: list[bytes], payload: memoryview, started: float) -> m.Request | None:
+        """The frame's request; None once a frame that does not decode has had its answer. A
+        request holds its decoded fields from here on, not its frame."""
+        try:
+            return m.decode_request(payload)
+        except m.DecodeError as exc:
+            op = exc.op or "invalid"  # a bad key in a lookup is counted as a lookup
+            log.info("bad %s frame (%d bytes): %s: %s", op, len(payload), exc.error.code, exc.error.message)
+            self._reply(envelope, op, started, m.Reply(exc.request_id, False, error=exc.error))
+        except Exception as exc:  # a bug in the decoder: still answer
+            log.exception("a frame of %d bytes could not be decoded", len(payload))
+            self._reply(envelope, "invalid", started, m.Reply(m.peek_id(payload), False,
+                                                              error=Internal(f"{type(exc).__name__}: {exc}"[:500])))
+        return None
+
+    def _answered_now(self, envelope: list[bytes], request: m.Request, started: float) -> bool:
+        """Answer a request that needs memory alone (ping, hello, a lookup the in-memory
+        indexes answer whole: Ops.answer_now) in the read that took its frame: no task, no
+        await, so no other work of the loop runs between its frame and its answer. As a task,
+        its answer waited for three turns of the loop, each running whatever else was ready
+        (a swap_out stream's completions): a ping's p99 under the stream was 1.8x the echo
+        floor's, 1.5x answered here (issue 27; docs/operations.md, Performance). True if answered."""
+        if self.answer_now is None:
+            return False
+        if request.deadline_ns is not None and request.deadline_ns <= time.monotonic_ns():
+            return False  # read after its deadline: _run answers it so, and counts it
+        try:
+            result = self.answer_now(request)
+        except KvswapError as exc:
+            if exc.code not in ("not_registered", "busy"):
+                log.info("%s %d failed: %s: %s", request.op, request.id, exc.code, exc.message)
+            reply = m.Reply(request.id, False, error=exc)
+        except Exception as exc:  # a bug: still answer, so the engine never waits forever
+            log.exception("%s %d raised", request.op, request.id)
+            reply = m.Reply(request.id, False, error=Internal(f"{type(exc).__name__}: {exc}"[:500]))
+        else:
+            if result is None:
+                return False
+            reply = m.Reply(request.id, True, result)
+        self._reply(envelope, request.op, started, reply)
+        return True
+
+    async def _answer(self, envelope: list[bytes], request: m.Request, started: float) -> None:
         """Exactly one reply per request, whatever happens: result, typed error, ``internal``
         for a bug, ``unavailable`` when shutdown cancels it."""
-        started = time.perf_counter()
         self.metrics.in_flight.inc()
-        op = "invalid"
-        request_id: int | None = None
+        op, request_id = request.op, request.id
         try:
-            size = len(payload)
-            try:
-                request = m.decode_request(payload)
-            except m.DecodeError as exc:
-                op = exc.op or op  # a bad key in a lookup is counted as a lookup
-                log.info("bad %s frame (%d bytes): %s: %s", op, size, exc.error.code, exc.error.message)
-                reply = m.Reply(exc.request_id, False, error=exc.error)
+            client, charge = envelope[0], request_bytes(request)
+            if not self.budget.take(client, charge):
+                reply = m.Reply(request_id, False, error=Busy("too many request bytes in flight",
+                                                              limit=self.budget.limit))
             else:
-                del payload  # a request waiting for its answer holds its decoded fields, not its frame
-                op, request_id = request.op, request.id
-                client, charge = envelope[0], request_bytes(request)
-                if not self.budget.take(client, charge):
-                    reply = m.Reply(request_id, False, error=Busy("too many request bytes in flight",
-                                                                  limit=self.budget.limit))
-                else:
-                    # Given back when the decoded request is freed, not at its answer: work that
-                    # runs on past its deadline still holds it.
-                    weakref.finalize(request, self.budget.give, client, charge)
-                    reply = await self._run(request)
-                    if reply.error is not None:
-                        # Raised out of the work task by work.result(), the error's traceback holds
-                        # _run's frame, which holds the task, which holds the error: a cycle that
-                        # kept every refused request's decoded keys until the cyclic GC ran.
-                        reply.error.__traceback__ = None
+                # Given back when the decoded request is freed, not at its answer: work that
+                # runs on past its deadline still holds it.
+                weakref.finalize(request, self.budget.give, client, charge)
+                reply = await self._run(request)
+                if reply.error is not None:
+                    # Raised out of the work task by work.result(), the error's traceback holds
+                    # _run's frame, which holds the task, which holds the error: a cycle that
+                    # kept every refused request's decoded keys until the cyclic GC ran.
+                    reply.error.__traceback__ = None
         except asyncio.CancelledError:
             self._reply(envelope, op, started, m.Reply(request_id, False, error=Unavailable(
                 "the daemon shut down before this request finished")))

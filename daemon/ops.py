@@ -28,6 +28,8 @@ from .registrar import Caller
 from .swapper import Swapper
 
 Handler = Callable[[Any, Deadline], Awaitable[Any]]
+#: An op answered from memory at once (Ops.answer_now): its result, or None to run it as a task.
+NowHandler = Callable[[Any], "dict[str, Any] | None"]
 
 #: Time kept back from a lookup's deadline for its answer after a ``wait_ms`` wait.
 WAIT_ANSWER_MARGIN_S = 0.05
@@ -61,6 +63,13 @@ class Ops:
             "peer_export": self._peer_export,
             "peer_release": self._peer_release,
         }
+        #: Ops that may be answered from memory where they are read (dispatch.py): no task, no
+        #: thread, no await between the frame and its answer.
+        self.now: dict[str, NowHandler] = {
+            "ping": lambda r: {"pong": True},
+            "hello": self._hello_now,
+            "lookup": self._lookup_now,
+        }
 
     async def handle(self, request: m.Request, deadline: Deadline) -> dict[str, Any]:
         result = await self.table[request.op](request, deadline)
@@ -68,7 +77,15 @@ class Ops:
             return result.to_wire()
         return result
 
+    def answer_now(self, request: m.Request) -> dict[str, Any] | None:
+        """``request``'s result if memory alone gives it, else None (then :meth:`handle` runs it)."""
+        now = self.now.get(request.op)
+        return now(request) if now is not None else None
+
     async def _hello(self, request: m.Hello, deadline: Deadline) -> dict[str, Any]:
+        return self._hello_now(request)
+
+    def _hello_now(self, request: m.Hello) -> dict[str, Any]:
         out = {"server": "kvswapd", "version": __version__, "protocol": PROTOCOL_VERSION,
                "registered": self.swapper.registration is not None,
                "limits": {"max_message_bytes": MAX_MESSAGE_BYTES, "max_keys_per_request": MAX_KEYS_PER_REQUEST,
@@ -88,6 +105,13 @@ class Ops:
             until = time.monotonic() + min(request.wait_ms / 1000, deadline.remaining() - WAIT_ANSWER_MARGIN_S)
             await wait_for_prefix(self.swapper, registration, request.keys, until)
         return await self.swapper.lookup(request.keys)
+
+    def _lookup_now(self, request: m.Lookup) -> dict[str, Any] | None:
+        """A plain lookup whose every key the in-memory indexes know; not one that pulls from a
+        peer or waits for keys on their way."""
+        if request.peer or request.wait_ms:
+            return None
+        return self.swapper.lookup_now(request.keys)
 
     async def _peer_export(self, request: m.PeerExport, deadline: Deadline) -> dict[str, Any]:
         if self.peer is None:

@@ -124,7 +124,7 @@ class Daemon:
         peer_stats = PeerStats(self.metrics.registry)
         self.peer = PeerTransfer(config, self.swapper, peer_stats) if config.peer_address else None
         self.ops = Ops(config, self.swapper, self.describe, self.peer)
-        self.dispatcher = Dispatcher(config, self.metrics, self.budget, self.ops.handle)
+        self.dispatcher = Dispatcher(config, self.metrics, self.budget, self.ops.handle, self.ops.answer_now)
         #: The cap on the control socket's connections (connections.py), set up in startup.
         self.gate: ConnectionGate | None = None
         self._stop_event: asyncio.Event | None = None

@@ -485,15 +485,29 @@ class Swapper:
         return registration
 
     async def lookup(self, keys: Sequence[str]) -> dict[str, Any]:
-        registration = self._registered()
-        tiers, inflight = registration.tiers, self._inflight.keys(registration.namespace)
-        assert tiers is not None
-        # In-flight writes of this namespace count as stored: a swap_in after this lookup will
-        # find them. The in-memory answer covers the common case on the loop itself (no thread
-        # hop); only a key no tier's index knows goes to the tiers themselves, on a read thread.
-        hits = tiers.cached_prefix(keys, inflight)
+        tiers, hits = self._cached_hits(keys)
         if hits < len(keys):
-            hits += await run(self.threads.read, tiers.prefix, keys[hits:], set(inflight))
+            # A key no tier's index knows goes to the tiers themselves, on a read thread.
+            inflight = set(self._inflight.keys(self._registered().namespace))
+            hits += await run(self.threads.read, tiers.prefix, keys[hits:], inflight)
+        return self._looked_up(tiers, keys, hits)
+
+    def lookup_now(self, keys: Sequence[str]) -> dict[str, Any] | None:
+        """The lookup's answer where the tiers' in-memory indexes give it whole (every key a
+        hit), at once on the loop; None where a key past the hits must be asked of the tiers
+        (I/O: :meth:`lookup`)."""
+        tiers, hits = self._cached_hits(keys)
+        return self._looked_up(tiers, keys, hits) if hits == len(keys) else None
+
+    def _cached_hits(self, keys: Sequence[str]) -> tuple[NamespaceTiers, int]:
+        """Leading keys the tiers' indexes in memory know, with in-flight writes of this
+        namespace counted as stored (a swap_in after the lookup finds them in staging)."""
+        registration = self._registered()
+        tiers = registration.tiers
+        assert tiers is not None
+        return tiers, tiers.cached_prefix(keys, self._inflight.keys(registration.namespace))
+
+    def _looked_up(self, tiers: NamespaceTiers, keys: Sequence[str], hits: int) -> dict[str, Any]:
         if hits and self.touches.add(tiers, keys[:hits]):
             self._background.submit(self.threads.read, self.touches.drain, what="touch_chain")
         self.metrics.lookup_keys.labels(result="hit").inc(hits)

@@ -5,6 +5,7 @@ still counts the leading keys stored in any retrieve tier, writes in flight incl
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -18,6 +19,7 @@ from kvswap.backends.ram_tier import RamBackend
 from kvswap.daemon.tiers import ChainTouches, touch_pieces
 from kvswap.daemon.tools.latency_floor import EchoServer, echo_reply
 from kvswap.protocol import Client, HostKVCache
+from kvswap.protocol.errors import Internal, NotRegistered
 
 NS = "ab" * 16
 
@@ -231,6 +233,83 @@ def test_the_dispatcher_answers_frames_queued_behind_each_other_and_after_replie
                 assert reply["ok"] and reply["result"] == {"pong": True}
                 got.add(reply["id"])
             assert got == set(range(200))
+        finally:
+            sock.close()
+
+
+# -- answers from memory, in the read that took the frame ---------------------------------------
+
+
+def _sample(d: InProcessDaemon, name: str, **labels: str) -> float:
+    return d.daemon.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_memory_answers_come_from_the_read_and_the_rest_from_tasks(tmp_path: Path, cache: HostKVCache) -> None:
+    """ping, hello and a lookup whose every key the indexes know are answered without a task
+    (the async handler never sees them); a lookup with a miss, one that waits for keys on
+    their way, and every op that moves bytes still run as tasks. The answers are the same."""
+    with InProcessDaemon(tmp_path / "s", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
+        dispatcher = d.daemon.dispatcher
+        handled: list[str] = []
+        real = dispatcher.handle
+
+        async def handle(request, deadline):  # type: ignore[no-untyped-def]
+            handled.append(request.op)
+            return await real(request, deadline)
+
+        dispatcher.handle = handle
+        c.register(cache)
+        keys = [f"k{i}" for i in range(4)]
+        assert c.swap_out(list(range(4)), keys, wait="persisted").stored == 4
+        handled.clear()
+        assert c.ping() > 0 and c.hello()["server"] == "kvswapd"
+        assert c.lookup(keys) == 4 and c.lookup(keys[:2]) == 2
+        assert handled == []
+        assert c.lookup([*keys, "missing", "k0"]) == 4  # the miss is asked of the tiers: a task
+        assert c.lookup(keys, wait_ms=10) == 4  # may wait: a task
+        assert c.swap_in(keys, [10, 11, 12, 13]).loaded == 4
+        assert handled == ["lookup", "lookup", "swap_in"]
+        # Answered from the read or not, each is a request counted once, with its latency.
+        assert _sample(d, "kvswap_requests_total", op="lookup", outcome="ok") == 4
+        assert _sample(d, "kvswap_request_duration_seconds_count", op="ping") == 1
+        assert _sample(d, "kvswap_lookup_keys_total", result="hit") == 4 + 2 + 4 + 4
+
+
+def test_a_memory_answer_that_fails_is_a_typed_error_and_the_daemon_serves_on(
+        tmp_path: Path, cache: HostKVCache, caplog: pytest.LogCaptureFixture) -> None:
+    with InProcessDaemon(tmp_path / "s") as d, Client(d.endpoint, timeout=10) as c:
+        with pytest.raises(NotRegistered):
+            c.lookup(["a"])  # no registration yet: answered from the read, typed
+        c.register(cache)
+
+        def bug(request):  # type: ignore[no-untyped-def]
+            raise RuntimeError("a bug in the lookup")
+
+        d.daemon.ops.now["lookup"] = bug
+        with caplog.at_level("ERROR"), pytest.raises(Internal, match="RuntimeError: a bug in the lookup"):
+            c.lookup(["a"])
+        assert any("raised" in r.getMessage() for r in caplog.records)
+        assert c.ping() > 0 and c.stats()["registered"]
+        assert _sample(d, "kvswap_errors_total", op="lookup", code="not_registered") == 1
+        assert _sample(d, "kvswap_errors_total", op="lookup", code="internal") == 1
+
+
+def test_a_ping_read_after_its_deadline_is_answered_timeout_not_pong(tmp_path: Path) -> None:
+    with InProcessDaemon(tmp_path / "s") as d:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(d.endpoint)
+        try:
+            for n, deadline_ns in enumerate([time.monotonic_ns() - 1, time.monotonic_ns() + 10**10]):
+                sock.send(msgpack.packb({"v": 1, "id": n, "op": "ping", "deadline_ns": deadline_ns}))
+                assert sock.poll(10_000)
+                reply = msgpack.unpackb(sock.recv())
+                assert reply["id"] == n
+                if n == 0:
+                    assert not reply["ok"] and reply["error"]["code"] == "timeout"
+                else:
+                    assert reply["ok"] and reply["result"] == {"pong": True}
+            assert _sample(d, "kvswap_expired_on_arrival_total") == 1
         finally:
             sock.close()
 
