@@ -52,6 +52,21 @@ def test_slots_are_aligned_faulted_and_taken_all_or_nothing() -> None:
     assert pool.problems() == []
 
 
+def test_slot_objects_are_made_as_their_memory_is_faulted_in_each_over_its_own_bytes() -> None:
+    pool = HostArena(100, staging_slots=2, cache_slots=50_000)
+    assert pool.faulted == 2 and len(pool._slots) == 2  # the cache share: none made before its fault-in
+    assert pool.grow(5) == 5 and pool.faulted == 7 and len(pool._slots) == 7
+    assert pool.grow_all() == 50_000 - 5 and len(pool._slots) == pool.capacity == 50_002
+    assert [slot.index for slot in pool._slots[:3]] == [0, 1, 2]
+    assert all(slot.view.ctypes.data == pool.base + slot.index * pool.slot_bytes and slot.view.nbytes == 100
+               for slot in pool._slots[::997])
+    taken = pool.take(50_002)
+    assert taken is not None and len({s.index for s in taken}) == 50_002
+    for slot in taken:
+        slot.release()
+    assert pool.problems() == []
+
+
 def test_a_kept_slot_is_the_ram_copy_until_a_take_needs_it() -> None:
     pool, ram = ram_over(4096, staging_slots=2)
     a, b = pool.take(2)
