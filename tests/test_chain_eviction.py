@@ -10,9 +10,11 @@ import random
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvswap.backends import chains
-from kvswap.backends.chains import ChainOrder
+from kvswap.backends.chains import ChainOrder, Children
 from kvswap.backends.file_backend import Capacity, FileBackend
 from kvswap.backends.ram_tier import RamBackend
 from kvswap.protocol import CacheLayout, Client, HostKVCache, NoSpace
@@ -431,3 +433,31 @@ def test_every_stored_record_is_reachable_by_a_lookup_of_its_chain(tmp_path, big
             assert stats["unreachable"] == 0
     finally:
         assert d.stop() == 0, d.log()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.sampled_from("abcd"), st.sampled_from("abcde")), max_size=40))
+def test_children_answers_as_a_map_of_sets_does(ops: list[tuple[bool, str, str]]) -> None:
+    """Children keeps one successor inline and sets only for branch points; to its callers it
+    is a map of name -> set of successors, whatever the order of adds and discards."""
+    children: Children[str] = Children()
+    model: dict[str, set[str]] = {}
+    for add, parent, child in ops:
+        if add:
+            children.add(parent, child)
+            model.setdefault(parent, set()).add(child)
+        else:
+            had = child in model.get(parent, set())
+            model.get(parent, set()).discard(child)
+            emptied = had and not model.get(parent)
+            if parent in model and not model[parent]:
+                del model[parent]
+            assert children.discard(parent, child) is emptied
+        for name in "abcde":
+            assert set(children.of(name)) == model.get(name, set())
+            assert children.has(name) is (name in model)
+    again: Children[str] = Children()
+    for parent, kids in model.items():
+        for child in sorted(kids):
+            again.add(parent, child)
+    assert again == children  # one form for one map
