@@ -125,7 +125,8 @@ class Report:
                  f"fsync {self.fsync}, host tier {'on' if self.host_tier else 'off'}, "
                  f"{self.threads[0]} write / {self.threads[1]} read threads",
                  f"cold reads: {self.cold_method}", f"machine: {machine()}",
-                 f"disk rows: {self.rounds} rounds alternated with their raw baselines (ratio range per round at the end)",
+                 f"disk rows: {self.rounds} rounds alternated with their raw baselines "
+                 "(each row's range of round ratios at the end)",
                  *([f"host layout conversion: the shared-memory mover, {self.conversion_copy} copy"]
                    if self.conversion_copy else []), "",
                  f"{'measure':42}{'value':>12}  {'unit':8}{'baseline':>36}{'ratio':>8}"]
