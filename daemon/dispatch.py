@@ -199,14 +199,8 @@ class Dispatcher:
             return False  # read after its deadline: _run answers it so, and counts it
         try:
             result = self.answer_now(request)
-        except KvswapError as exc:
-            if exc.code not in ("not_registered", "busy"):
-                log.info("%s %d failed: %s: %s", request.op, request.id, exc.code, exc.message)
-            exc.__traceback__ = None  # it held this frame, which holds the reply holding it: a cycle
-            reply = m.Reply(request.id, False, error=exc)
-        except Exception as exc:  # a bug: still answer, so the engine never waits forever
-            log.exception("%s %d raised", request.op, request.id)
-            reply = m.Reply(request.id, False, error=Internal(f"{type(exc).__name__}: {exc}"[:500]))
+        except Exception as exc:
+            reply = _failure_reply(request, exc)
         else:
             if result is None:
                 return False
@@ -288,13 +282,8 @@ class Dispatcher:
                                                             timeout_ms=timeout_ms))
         try:
             return m.Reply(request.id, True, work.result())
-        except KvswapError as exc:
-            if exc.code not in ("not_registered", "busy"):
-                log.info("%s %d failed: %s: %s", request.op, request.id, exc.code, exc.message)
-            return m.Reply(request.id, False, error=exc)
-        except Exception as exc:  # a bug: still answer, so the engine never waits forever
-            log.exception("%s %d raised", request.op, request.id)
-            return m.Reply(request.id, False, error=Internal(f"{type(exc).__name__}: {exc}"[:500]))
+        except Exception as exc:
+            return _failure_reply(request, exc)
 
     async def _stop_copies(self, deadline: Deadline) -> None:
         """No byte moves from or into the engine's memory for a request after its answer:
@@ -338,6 +327,21 @@ class Dispatcher:
         # receiver looks again (what pyzmq's asyncio layer does after every call).
         if _frame_queued(raw):
             self._readable.set()
+
+
+def _failure_reply(request: m.Request, exc: Exception) -> m.Reply:
+    """The answer to a request whose work raised ``exc``, called while it is handled: a typed
+    error as it is (logged, unless it is routine), anything else ``internal`` (a bug: logged
+    with its traceback; still answered, so the engine never waits forever). A typed error
+    lets go of its traceback: its frames hold the reply that holds it, a cycle only the
+    cyclic GC would free."""
+    if isinstance(exc, KvswapError):
+        if exc.code not in ("not_registered", "busy"):
+            log.info("%s %d failed: %s: %s", request.op, request.id, exc.code, exc.message)
+        exc.__traceback__ = None
+        return m.Reply(request.id, False, error=exc)
+    log.exception("%s %d raised", request.op, request.id)
+    return m.Reply(request.id, False, error=Internal(f"{type(exc).__name__}: {exc}"[:500]))
 
 
 def _frame_queued(raw: zmq.Socket) -> bool:
