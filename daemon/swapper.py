@@ -30,6 +30,7 @@ import functools
 import logging
 import time
 from collections import Counter
+from collections.abc import KeysView
 from concurrent.futures import Future
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
@@ -485,27 +486,28 @@ class Swapper:
         return registration
 
     async def lookup(self, keys: Sequence[str]) -> dict[str, Any]:
-        tiers, hits = self._cached_hits(keys)
+        tiers, inflight, hits = self._cached_hits(keys)
         if hits < len(keys):
             # A key no tier's index knows goes to the tiers themselves, on a read thread.
-            inflight = set(self._inflight.keys(self._registered().namespace))
-            hits += await run(self.threads.read, tiers.prefix, keys[hits:], inflight)
+            hits += await run(self.threads.read, tiers.prefix, keys[hits:], set(inflight))
         return self._looked_up(tiers, keys, hits)
 
     def lookup_now(self, keys: Sequence[str]) -> dict[str, Any] | None:
         """The lookup's answer where the tiers' in-memory indexes give it whole (every key a
         hit), at once on the loop; None where a key past the hits must be asked of the tiers
         (I/O: :meth:`lookup`)."""
-        tiers, hits = self._cached_hits(keys)
+        tiers, _, hits = self._cached_hits(keys)
         return self._looked_up(tiers, keys, hits) if hits == len(keys) else None
 
-    def _cached_hits(self, keys: Sequence[str]) -> tuple[NamespaceTiers, int]:
-        """Leading keys the tiers' indexes in memory know, with in-flight writes of this
-        namespace counted as stored (a swap_in after the lookup finds them in staging)."""
+    def _cached_hits(self, keys: Sequence[str]) -> tuple[NamespaceTiers, KeysView[str], int]:
+        """The tiers, the keys of this namespace in flight, and how many leading keys the
+        tiers' indexes in memory know, in-flight writes counted as stored (a swap_in after the
+        lookup finds them in staging)."""
         registration = self._registered()
         tiers = registration.tiers
         assert tiers is not None
-        return tiers, tiers.cached_prefix(keys, self._inflight.keys(registration.namespace))
+        inflight = self._inflight.keys(registration.namespace)
+        return tiers, inflight, tiers.cached_prefix(keys, inflight)
 
     def _looked_up(self, tiers: NamespaceTiers, keys: Sequence[str], hits: int) -> dict[str, Any]:
         if hits and self.touches.add(tiers, keys[:hits]):
