@@ -41,8 +41,11 @@ def test_swap_in_of_a_key_still_being_written_returns_its_data(tmp_path: Path, c
 
 
 def test_full_disk_is_a_typed_status_and_reads_keep_working(tmp_path: Path, cache: HostKVCache) -> None:
-    # No RAM tier: a record the disk refused must not be found anywhere.
-    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0) as d, Client(d.endpoint, timeout=10) as c:
+    # No RAM tier: a record the disk refused must not be found anywhere. One write thread: with
+    # more, x2's write may start before x1's fails (each record is a job of its own), and then
+    # both retry; the counts below are those of the order the chain rule is about.
+    with InProcessDaemon(tmp_path / "s", file_layout="files", host_tier_bytes=0, write_threads=1) as d, \
+            Client(d.endpoint, timeout=10) as c:
         c.register(cache)
         assert wait_until(lambda: c.stats()["tiers"]["file"]["leader"])  # evicts once its scan is done
         c.swap_out(list(range(10, 20)), [f"old-{i}" for i in range(10)], wait="persisted")
