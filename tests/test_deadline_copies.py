@@ -212,9 +212,8 @@ def fill(cache: HostKVCache, blocks: list[int]) -> None:
 
 def whole_chunks(rows_done: int) -> int:
     """Blocks of a swap_out whose gather chunk was copied whole after ``rows_done`` rows."""
-    chunk = swapper_module.GATHER_CHUNK
     full = rows_done // REGIONS
-    return BLOCKS if full >= BLOCKS else full // chunk * chunk
+    return max((stop for _, stop in swapper_module._gather_chunks(BLOCKS) if stop <= full), default=0)
 
 
 def swapped_in(d: InProcessDaemon) -> float:
@@ -359,12 +358,12 @@ def test_a_swap_in_waiting_on_one_write_in_flight_survives_another_being_dropped
         c.register(cache)
         held = Held(d, copy_path, monkeypatch)
         keys = [f"race-{i}" for i in SOURCE]
-        hold = held.arm(REGIONS * swapper_module.GATHER_CHUNK + 1)  # inside the second gather chunk
+        hold = held.arm(REGIONS * swapper_module.GATHER_CHUNK + 1)  # inside block 4's gather chunk
         try:
             out = c.send(m.SwapOut, {"block_ids": tuple(SOURCE), "keys": tuple(keys)}, timeout=1.0)
-            assert hold.reached.wait(10), "the gather never reached the second chunk"
+            assert hold.reached.wait(10), "the gather never reached block 4's chunk"
             # keys[0] is in the first chunk (copied, its 'copied' set only when the gather
-            # returns); keys[4] in the second, dropped when the deadline cuts the gather short.
+            # returns); keys[4] in a later one, dropped when the deadline cuts the gather short.
             swap_in = c.send(m.SwapIn, {"keys": (keys[0], keys[4]), "block_ids": (TARGET[0], TARGET[1])}, timeout=10)
             with pytest.raises(Timeout):
                 c.wait(out, timeout=1.0)
@@ -403,7 +402,8 @@ def test_a_flush_after_a_timed_out_swap_out_waits_for_the_records_it_copied(
         monkeypatch.setattr(swapper, "flush", flush)
         monkeypatch.setattr(swapper_module, "_submit_writes", submit)
         keys = [f"flush-{i}" for i in SOURCE]
-        hold = held.arm(REGIONS * swapper_module.GATHER_CHUNK - 1)  # the first chunk's last row
+        _, first_chunk = swapper_module._gather_chunks(BLOCKS)[0]
+        hold = held.arm(REGIONS * first_chunk - 1)  # the first chunk's last row
         try:
             with pytest.raises(Timeout):
                 c.swap_out(SOURCE, keys, timeout=2.0)
@@ -414,6 +414,5 @@ def test_a_flush_after_a_timed_out_swap_out_waits_for_the_records_it_copied(
             flush_arrived.set()
             held.disarm()
         result = c.swap_in(keys, TARGET)
-        chunk = swapper_module.GATHER_CHUNK
-        assert result.status == ["loaded"] * chunk + ["miss"] * (BLOCKS - chunk)
-        assert [cache.block_record(b) for b in TARGET[:chunk]] == original[:chunk]
+        assert result.status == ["loaded"] * first_chunk + ["miss"] * (BLOCKS - first_chunk)
+        assert [cache.block_record(b) for b in TARGET[:first_chunk]] == original[:first_chunk]

@@ -14,11 +14,13 @@ import threading
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from support import INSTALLED_BY_TEST_SETUP, GatedWrites, InProcessDaemon, wait_until
 
 from kvswap.backends import record
 from kvswap.backends.file_backend import FileBackend
-from kvswap.daemon.swapper import Deadline
+from kvswap.daemon.swapper import GATHER_CHUNK, Deadline, _gather_chunks
 from kvswap.protocol import Client, HostKVCache, InvalidLayout, NotRegistered, Timeout
 from kvswap.protocol import messages as m
 from kvswap.protocol.errors import IOFailure
@@ -455,7 +457,8 @@ def test_a_bug_in_the_write_path_answers_internal_and_frees_every_slot(tmp_path:
             out = c.swap_out(list(range(6)), [f"k{i}" for i in range(6)], wait="persisted")
         assert out.status == ["internal"] * 6 and out.failed == 6
         lines = sorted(r.getMessage() for r in caplog.records if r.getMessage().startswith("writes of"))
-        assert lines == ["writes of 2 records failed", "writes of 4 records failed"]  # one per gather chunk
+        # One per gather chunk: (0, 1), (1, 4), (4, 6).
+        assert lines == ["writes of 1 records failed", "writes of 2 records failed", "writes of 3 records failed"]
         assert metric(d, "kvswap_write_failures_total", code="internal") == 6
         stats = c.stats()
         assert (stats["pending_writes"], stats["write_staging"]["free"]) == (0, slots)
@@ -584,3 +587,13 @@ def test_ram_hits_are_scattered_from_their_slots_and_counted_as_host_reads(tmp_p
         assert metric(d, "kvswap_tier_ops_total", tier="host", op="get", result="hit") - hits == 3
         assert metric(d, "kvswap_tier_bytes_total", tier="host", direction="read") - read == 3 * record_bytes
         assert metric(d, "kvswap_tier_ops_total", tier="file", op="get", result="hit") == 0  # none read from disk
+
+
+@given(st.integers(min_value=0, max_value=200))
+def test_gather_chunks_cover_the_request_in_order_and_start_with_one_block(count: int) -> None:
+    chunks = _gather_chunks(count)
+    assert [i for start, stop in chunks for i in range(start, stop)] == list(range(count))
+    assert all(0 < stop - start <= GATHER_CHUNK for start, stop in chunks)
+    if count:
+        assert chunks[0] == (0, 1)  # the first write waits for one block's copy only
+        assert all(start % GATHER_CHUNK == 0 for start, _ in chunks[2:])
