@@ -4,8 +4,9 @@ two daemons in one process), and the HTTP endpoint that serves them with health 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
                                generate_latest)
@@ -83,6 +84,12 @@ class Metrics:
         # process_* (RSS, CPU seconds, open and max fds, start time) of this process, read from
         # /proc at scrape time; the daemon's own registry does not get the global default's.
         ProcessCollector(registry=r)
+
+    def count_blocks(self, op: str, statuses: Iterable[str]) -> None:
+        """A request's per-key statuses, one increment per distinct status: a label lookup per
+        key took 80 us of the event loop for 32 keys (2.5 ms for a request of 1,000)."""
+        for status, n in collections.Counter(statuses).items():
+            self.blocks.labels(op=op, status=status).inc(n)
 
     def watch_stores(self, stores: Callable[[], list]) -> None:
         """Export the storage tiers' own counters (eviction, scan, capacity) at scrape time."""

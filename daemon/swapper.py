@@ -243,8 +243,7 @@ class Swapper:
             outcomes = await asyncio.shield(task)
             for i, outcome in zip(todo, outcomes):
                 status[i] = outcome
-        for s in status:
-            self.metrics.blocks.labels(op="swap_out", status=s).inc()
+        self.metrics.count_blocks("swap_out", status)
         return SwapOutResult.of(status)
 
     async def _new(self, namespace: str, tiers: NamespaceTiers, keys: Sequence[str], todo: list[int]) -> list[int]:
@@ -471,8 +470,7 @@ class Swapper:
             while persist and not read[persist - 1]:
                 persist -= 1
             self._background.submit(self.threads.read, tiers.touch_hit, keys[:loaded], persist, what="touch_hit")
-        for s in status:
-            self.metrics.blocks.labels(op="swap_in", status=s).inc()
+        self.metrics.count_blocks("swap_in", status)
         self.metrics.bytes.labels(direction="in").inc(status.count("loaded") * registration.record_bytes)
         return result
 
