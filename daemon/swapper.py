@@ -606,7 +606,7 @@ def _tier_stats(store: Store, backend: Backend) -> dict[str, Any]:
 
 
 #: Blocks gathered per mover call before their writes are submitted (after a first call of
-#: one block: :func:`_gather_chunks`): small enough that writes start while later blocks are
+#: one block: :func:`gather_chunks`): small enough that writes start while later blocks are
 #: still being copied, large enough for GPU movers to batch their device copies.
 GATHER_CHUNK = 4
 #: Keys of one swap_in read and scattered together (bounded further by the read staging).
@@ -622,7 +622,7 @@ def _guard(registration: Registration, deadline: Deadline) -> CopyGuard:
 def _gather_and_submit(registration: Registration, block_ids: list[int], slots: list[Any],
                        guard: CopyGuard, submit: Callable[[int, int], Future]) -> tuple[list[tuple[int, int, Future]],
                                                                   BaseException | None]:
-    """Gather blocks into their slots a chunk at a time (:func:`_gather_chunks`) and submit the
+    """Gather blocks into their slots a chunk at a time (:func:`gather_chunks`) and submit the
     chunk's writes as soon as it is copied, so copying block N+1 overlaps writing block N.
     Returns the chunks submitted as ``(start, stop, future)`` (fewer records than blocks when
     the deadline passed or a copy failed) and the failure. Never raises: submitted writes must stay accounted for,
@@ -633,7 +633,7 @@ def _gather_and_submit(registration: Registration, block_ids: list[int], slots: 
     submitted only when its whole copy ended before the answer."""
     chunks: list[tuple[int, int, Future]] = []
     try:
-        for start, stop in _gather_chunks(len(block_ids)):
+        for start, stop in gather_chunks(len(block_ids)):
             with guard.copying() as allowed:
                 if not allowed or not registration.mover.gather_blocks(block_ids[start:stop], slots[start:stop],
                                                                        guard):
@@ -644,13 +644,13 @@ def _gather_and_submit(registration: Registration, block_ids: list[int], slots: 
     return chunks, None
 
 
-def _gather_chunks(count: int) -> list[tuple[int, int]]:
+def gather_chunks(count: int) -> list[tuple[int, int]]:
     """The ``(start, stop)`` of each mover call of a swap_out of ``count`` blocks: the first
     block alone, so that the disk gets its first write after one block's copy rather than
     :data:`GATHER_CHUNK` blocks' (a ``wait="persisted"`` request's writes cannot start before
     it; measured 1.7-2.4 ms to the first write with a first chunk of 4 records of 2 MiB, 0.7-1.1
     ms with one), then chunks of ``GATHER_CHUNK`` on its boundaries.
-    ``_gather_chunks(10) == [(0, 1), (1, 4), (4, 8), (8, 10)]``."""
+    ``gather_chunks(10) == [(0, 1), (1, 4), (4, 8), (8, 10)]``."""
     starts = [s for s in sorted({0, 1, *range(GATHER_CHUNK, count, GATHER_CHUNK)}) if s < count]
     return list(zip(starts, [*starts[1:], count]))
 

@@ -213,7 +213,7 @@ def fill(cache: HostKVCache, blocks: list[int]) -> None:
 def whole_chunks(rows_done: int) -> int:
     """Blocks of a swap_out whose gather chunk was copied whole after ``rows_done`` rows."""
     full = rows_done // REGIONS
-    return max((stop for _, stop in swapper_module._gather_chunks(BLOCKS) if stop <= full), default=0)
+    return max((stop for _, stop in swapper_module.gather_chunks(BLOCKS) if stop <= full), default=0)
 
 
 def swapped_in(d: InProcessDaemon) -> float:
@@ -402,7 +402,7 @@ def test_a_flush_after_a_timed_out_swap_out_waits_for_the_records_it_copied(
         monkeypatch.setattr(swapper, "flush", flush)
         monkeypatch.setattr(swapper_module, "_submit_writes", submit)
         keys = [f"flush-{i}" for i in SOURCE]
-        _, first_chunk = swapper_module._gather_chunks(BLOCKS)[0]
+        _, first_chunk = swapper_module.gather_chunks(BLOCKS)[0]
         hold = held.arm(REGIONS * first_chunk - 1)  # the first chunk's last row
         try:
             with pytest.raises(Timeout):

@@ -20,7 +20,7 @@ from support import INSTALLED_BY_TEST_SETUP, GatedWrites, InProcessDaemon, wait_
 
 from kvswap.backends import record
 from kvswap.backends.file_backend import FileBackend
-from kvswap.daemon.swapper import GATHER_CHUNK, Deadline, _gather_chunks
+from kvswap.daemon.swapper import GATHER_CHUNK, Deadline, gather_chunks
 from kvswap.protocol import Client, HostKVCache, InvalidLayout, NotRegistered, Timeout
 from kvswap.protocol import messages as m
 from kvswap.protocol.errors import IOFailure
@@ -591,7 +591,7 @@ def test_ram_hits_are_scattered_from_their_slots_and_counted_as_host_reads(tmp_p
 
 @given(st.integers(min_value=0, max_value=200))
 def test_gather_chunks_cover_the_request_in_order_and_start_with_one_block(count: int) -> None:
-    chunks = _gather_chunks(count)
+    chunks = gather_chunks(count)
     assert [i for start, stop in chunks for i in range(start, stop)] == list(range(count))
     assert all(0 < stop - start <= GATHER_CHUNK for start, stop in chunks)
     if count:

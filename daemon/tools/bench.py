@@ -17,8 +17,8 @@ the daemon's CPU use while busy and while idle.
 "Host layout conversion" is the copy swap_out runs for a shared-memory cache, measured in this
 process: the segment registered as the daemon registers it, its ``SegmentMover`` gathering the
 engine's blocks into host-pool slots on the native fault-guarded copy (``preadv`` where the
-helper is not built or ``KVSWAP_NATIVE_COPY=0``), four blocks per call as the swapper does. The
-report names the path (``conversion_copy``). Before issue 23 the rows measured ``HostMover``, a
+helper is not built or ``KVSWAP_NATIVE_COPY=0``), in the swapper's calls (one block, then four
+a call). The report names the path (``conversion_copy``). Before issue 23 the rows measured ``HostMover``, a
 mapped ``memmove`` the daemon never ran; the row names stayed, so readers of the JSON keep working.
 
 (Over 500 lines on purpose: each phase sits next to the baseline it is divided by, so a reader
@@ -45,7 +45,7 @@ from ..config import Config
 from ..deadline import CopyGuard, Deadline
 from ..registration import Registration
 from ..staging import aligned_empty
-from ..swapper import GATHER_CHUNK
+from ..swapper import gather_chunks
 from .latency_floor import EchoServer, StreamProcess
 from .local_daemon import LocalDaemon
 from .presets import preset_layout
@@ -401,8 +401,8 @@ def conversion_vs_memcpy(layout_name: str, blocks: int) -> tuple[float, float, f
     it (:meth:`Registration.attach`: the segment opened by descriptor, its
     :class:`~..movers.segment.SegmentMover` on the native fault-guarded copy where it is built,
     else ``preadv``; ``KVSWAP_NATIVE_COPY`` decides as it does for the daemon), gathering
-    ``GATHER_CHUNK`` blocks per call under a request's :class:`CopyGuard` into host-pool slots,
-    as the swapper does. Until issue 23 this measured ``HostMover`` (a ``memmove`` per region
+    in the swapper's calls (:func:`~..swapper.gather_chunks`: one block, then ``GATHER_CHUNK``
+    a call) under a request's :class:`CopyGuard` into host-pool slots. Until issue 23 this measured ``HostMover`` (a ``memmove`` per region
     chunk through a mapping), which the daemon never ran; the row names stayed."""
     layout = preset_layout(layout_name, blocks)
     total = layout.record_bytes * blocks
@@ -423,10 +423,9 @@ def conversion_vs_memcpy(layout_name: str, blocks: int) -> tuple[float, float, f
 
         def gather() -> float:
             t = time.perf_counter()
-            for start in range(0, blocks, GATHER_CHUNK):
+            for start, stop in gather_chunks(blocks):
                 with guard.copying() as allowed:
-                    if not allowed or not mover.gather_blocks(ids[start:start + GATHER_CHUNK],
-                                                              slots[start:start + GATHER_CHUNK], guard):
+                    if not allowed or not mover.gather_blocks(ids[start:stop], slots[start:stop], guard):
                         raise RuntimeError("the conversion's gather was cut short")
             return time.perf_counter() - t
 
