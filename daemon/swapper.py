@@ -625,8 +625,8 @@ def _gather_and_submit(registration: Registration, block_ids: list[int], slots: 
     """Gather blocks into their slots a chunk at a time (:func:`gather_chunks`) and submit the
     chunk's writes as soon as it is copied, so copying block N+1 overlaps writing block N.
     Returns the chunks submitted as ``(start, stop, future)`` (fewer records than blocks when
-    the deadline passed or a copy failed) and the failure. Never raises: submitted writes must stay accounted for,
-    since their slots may only be reused once they finish.
+    the deadline passed or a copy failed) and the failure. Never raises: submitted writes must
+    stay accounted for, since their slots may only be reused once they finish.
 
     Each chunk is copied inside ``guard.copying()``, so the request's answer waits for it; a
     chunk the deadline cut short is not submitted (its records are torn), and a chunk is
@@ -648,7 +648,7 @@ def gather_chunks(count: int) -> list[tuple[int, int]]:
     """The ``(start, stop)`` of each mover call of a swap_out of ``count`` blocks: the first
     block alone, so that the disk gets its first write after one block's copy rather than
     :data:`GATHER_CHUNK` blocks' (a ``wait="persisted"`` request's writes cannot start before
-    it; measured 1.7-2.4 ms to the first write with a first chunk of 4 records of 2 MiB, 0.7-1.1
+    it; measured 1.3-2.4 ms to the first write with a first chunk of 4 records of 2 MiB, 0.7-1.1
     ms with one), then chunks of ``GATHER_CHUNK`` on its boundaries.
     ``gather_chunks(10) == [(0, 1), (1, 4), (4, 8), (8, 10)]``."""
     starts = [s for s in sorted({0, 1, *range(GATHER_CHUNK, count, GATHER_CHUNK)}) if s < count]

@@ -18,8 +18,9 @@ the daemon's CPU use while busy and while idle.
 process: the segment registered as the daemon registers it, its ``SegmentMover`` gathering the
 engine's blocks into host-pool slots on the native fault-guarded copy (``preadv`` where the
 helper is not built or ``KVSWAP_NATIVE_COPY=0``), in the swapper's calls (one block, then four
-a call). The report names the path (``conversion_copy``). Before issue 23 the rows measured ``HostMover``, a
-mapped ``memmove`` the daemon never ran; the row names stayed, so readers of the JSON keep working.
+a call). The report names the path (``conversion_copy``). Before issue 23 the rows measured
+``HostMover``, a mapped ``memmove`` the daemon never ran; the row names stayed, so readers of
+the JSON keep working.
 
 (Over 500 lines on purpose: each phase sits next to the baseline it is divided by, so a reader
 can check in one place that every ratio compares like with like.)
