@@ -14,7 +14,7 @@ import msgpack
 import pytest
 import zmq
 
-from kvswap.protocol import Busy, CacheLayout, Client, HostKVCache, InvalidLayout, Timeout, Unavailable
+from kvswap.protocol import Busy, CacheLayout, Client, HostKVCache, InvalidLayout, NotRegistered, Timeout, Unavailable
 from kvswap.protocol import messages as m
 from kvswap.protocol.limits import MAX_MESSAGE_BYTES
 
@@ -231,6 +231,25 @@ def test_decoded_requests_in_flight_are_bounded_in_bytes(tmp_path: Path, cache: 
         assert [greedy.wait(i)["stored"] for i in sent] == [32] * len(sent)
         assert wait_until(lambda: d.daemon.budget.used == 0), d.daemon.budget.used
         assert greedy.ping() > 0
+
+
+def test_a_request_whose_work_raised_gives_its_charge_back_without_the_cyclic_gc(tmp_path: Path) -> None:
+    """A request whose work raised a typed error (swap_ins before any register: not_registered)
+    gives its charge back once answered. Raised out of the work task, the error's traceback
+    held the frame that held the task that held the error: a cycle that kept each refused
+    request's decoded keys until the cyclic GC ran. With the GC off, only breaking it frees them."""
+    import gc
+
+    with InProcessDaemon(tmp_path / "s", file_layout="files") as d, Client(d.endpoint, timeout=10) as c:
+        gc.collect()
+        gc.disable()
+        try:
+            for i in range(5):
+                with pytest.raises(NotRegistered):
+                    c.swap_in([f"k{i}-{j}" for j in range(32)], list(range(32)))
+            assert wait_until(lambda: d.daemon.budget.used == 0, 5), d.daemon.budget.used
+        finally:
+            gc.enable()
 
 
 def test_replies_a_connection_does_not_read_count_against_its_share(tmp_path: Path) -> None:
