@@ -222,12 +222,7 @@ class Dispatcher:
                 # Given back when the decoded request is freed, not at its answer: work that
                 # runs on past its deadline still holds it.
                 weakref.finalize(request, self.budget.give, client, charge)
-                reply = await self._run(request)
-                if reply.error is not None:
-                    # Raised out of the work task by work.result(), the error's traceback holds
-                    # _run's frame, which holds the task, which holds the error: a cycle that
-                    # kept every refused request's decoded keys until the cyclic GC ran.
-                    reply.error.__traceback__ = None
+                reply = await self._run(request)  # an error in it has no traceback (_failure_reply)
         except asyncio.CancelledError:
             self._reply(envelope, op, started, m.Reply(request_id, False, error=Unavailable(
                 "the daemon shut down before this request finished")))
@@ -333,8 +328,10 @@ def _failure_reply(request: m.Request, exc: Exception) -> m.Reply:
     """The answer to a request whose work raised ``exc``, called while it is handled: a typed
     error as it is (logged, unless it is routine), anything else ``internal`` (a bug: logged
     with its traceback; still answered, so the engine never waits forever). A typed error
-    lets go of its traceback: its frames hold the reply that holds it, a cycle only the
-    cyclic GC would free."""
+    lets go of its traceback: raised out of the work task by ``work.result()``, it held
+    ``_run``'s frame, which holds the task, which holds the error: a cycle that kept every
+    refused request's decoded keys until the cyclic GC ran
+    (tests/test_limits.py, ..._without_the_cyclic_gc)."""
     if isinstance(exc, KvswapError):
         if exc.code not in ("not_registered", "busy"):
             log.info("%s %d failed: %s: %s", request.op, request.id, exc.code, exc.message)

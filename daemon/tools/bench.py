@@ -403,8 +403,9 @@ def conversion_vs_memcpy(layout_name: str, blocks: int) -> tuple[float, float, f
     :class:`~..movers.segment.SegmentMover` on the native fault-guarded copy where it is built,
     else ``preadv``; ``KVSWAP_NATIVE_COPY`` decides as it does for the daemon), gathering
     in the swapper's calls (:func:`~..swapper.gather_chunks`: one block, then ``GATHER_CHUNK``
-    a call) under a request's :class:`CopyGuard` into host-pool slots. Until issue 23 this measured ``HostMover`` (a ``memmove`` per region
-    chunk through a mapping), which the daemon never ran; the row names stayed."""
+    a call) under a request's :class:`CopyGuard` into host-pool slots. Until issue 23 this
+    measured ``HostMover`` (a ``memmove`` per region chunk through a mapping), which the daemon
+    never ran; the row names stayed."""
     layout = preset_layout(layout_name, blocks)
     total = layout.record_bytes * blocks
     pool = HostArena(layout.record_bytes, staging_slots=blocks)
