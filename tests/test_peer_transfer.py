@@ -354,7 +354,10 @@ def test_prefill_killed_between_export_and_read_is_a_miss_never_a_torn_record(pa
     pair.a.swap_out(list(range(8)), KEYS, wait="persisted")
     relay = Relay(upstream=pair.prefill.endpoint, on_reply=pair.prefill.kill)
     try:
-        reply = pair.b.call(m.Lookup, {"keys": KEYS, "peer": relay.address, "wait_ms": 100}, timeout=8)
+        # wait_ms sets how long the export may take to answer (wait_ms + 1 s, peer_import.py):
+        # with 100 ms, a prefill slowed by other work beside the tests answered after 1.1 s, and
+        # the pull failed as a timeout before any transfer was tried.
+        reply = pair.b.call(m.Lookup, {"keys": KEYS, "peer": relay.address, "wait_ms": 2000}, timeout=8)
     finally:
         relay.close()
     assert reply == {"hits": 0, "pulled": 0}
