@@ -198,6 +198,12 @@ def test_write_and_read_errors_are_typed_and_lose_nothing(root, monkeypatch) -> 
     store.put("k2", payload_for(2))  # the failed writes gave their slots back
     assert store.stats()["free_slots"] == free_before - 1
     assert set(on_disk(root)) == {"kept", "k2"}
+    # The failed writes and read ended their I/O sections too: the close lets go of the slab
+    # at once, and a restart adopts it rather than starting a second one.
+    store.close()
+    again = open_store(root)
+    assert again.stats()["slabs"] == 1 and again.stats()["slabs_owned"] == 1
+    assert get(again, "k2") == (GetStatus.LOADED, bytes(payload_for(2)))
 
 
 def test_a_full_disk_while_growing_is_no_space(root, monkeypatch) -> None:
