@@ -239,10 +239,11 @@ class Dispatcher:
             self.send_sized(envelope, reply, MAX_PEER_REPLY_BYTES)
         else:
             self.send(envelope, reply)
-        self.metrics.requests.labels(op=op, outcome="ok" if reply.ok else "error").inc()
+        m = self.metrics
+        m.child(m.requests, op, "ok" if reply.ok else "error").inc()
         if not reply.ok and reply.error is not None:
-            self.metrics.errors.labels(op=op, code=reply.error.code).inc()
-        self.metrics.latency.labels(op=op).observe(time.perf_counter() - started)
+            m.child(m.errors, op, reply.error.code).inc()
+        m.child(m.latency, op).observe(time.perf_counter() - started)
 
     async def _run(self, request: m.Request) -> m.Reply:
         timeout_ms = request.timeout_ms or self.config.default_timeout_ms

@@ -510,8 +510,9 @@ class Swapper:
     def _looked_up(self, tiers: NamespaceTiers, keys: Sequence[str], hits: int) -> dict[str, Any]:
         if hits and self.touches.add(tiers, keys[:hits]):
             self._background.submit(self.threads.read, self.touches.drain, what="touch_chain")
-        self.metrics.lookup_keys.labels(result="hit").inc(hits)
-        self.metrics.lookup_keys.labels(result="miss").inc(len(keys) - hits)
+        m = self.metrics
+        m.child(m.lookup_keys, "hit").inc(hits)
+        m.child(m.lookup_keys, "miss").inc(len(keys) - hits)
         return {"hits": hits}
 
     async def delete(self, keys: Sequence[str]) -> dict[str, Any]:

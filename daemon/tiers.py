@@ -330,18 +330,18 @@ class NamespaceTiers:
     def _tally(self, store: Store, hits: int, misses: int, nbytes: int) -> None:
         m = self.metrics
         if hits:
-            m.tier_ops.labels(tier=store.tier, op="get", result="hit").inc(hits)
-            m.tier_bytes.labels(tier=store.tier, direction="read").inc(nbytes)
+            m.child(m.tier_ops, store.tier, "get", "hit").inc(hits)
+            m.child(m.tier_bytes, store.tier, "read").inc(nbytes)
         if misses:
-            m.tier_ops.labels(tier=store.tier, op="get", result="miss").inc(misses)
+            m.child(m.tier_ops, store.tier, "get", "miss").inc(misses)
 
     def _count(self, store: Store, op: str, result: str, started: float, nbytes: int = 0,
                direction: str | None = None) -> None:
         m = self.metrics
-        m.tier_ops.labels(tier=store.tier, op=op, result=result).inc()
-        m.tier_latency.labels(tier=store.tier, op=op).observe(time.perf_counter() - started)
+        m.child(m.tier_ops, store.tier, op, result).inc()
+        m.child(m.tier_latency, store.tier, op).observe(time.perf_counter() - started)
         if direction:
-            m.tier_bytes.labels(tier=store.tier, direction=direction).inc(nbytes)
+            m.child(m.tier_bytes, store.tier, direction).inc(nbytes)
 
     def close(self) -> None:
         for store in self.stores.values():
