@@ -16,6 +16,7 @@ EXPECTED = {
     "swap_out copied": "memcpy",
     "swap_out copied, until written": "write",
     "swap_out persisted": "write",
+    "swap_out persisted, 2 in flight": "write",
     "swap_out persisted, RAM tier's first fill": "write",
     "swap_out copied, one request of 16, idle": "memcpy",
     "swap_in cold": "O_DIRECT read x4",
@@ -25,7 +26,8 @@ EXPECTED = {
     "ping p99 under load vs echo floor": "echo ping p99",
     "lookup 1000 keys p99 under load vs echo floor": "echo lookup 1000 keys p99",
 }
-ALTERNATED = ["swap_out copied, until written", "swap_out persisted", "swap_in cold"]
+ALTERNATED = ["swap_out copied, until written", "swap_out persisted", "swap_out persisted, 2 in flight",
+              "swap_in cold"]
 UNBASED = ["swap_out copied latency p50", "swap_out copied latency p99", "ping p50 under load",
            "ping p99 under load", "lookup 1000 keys p50 under load", "lookup 1000 keys p99 under load",
            "echo ping p50 under load", "echo ping p99 under load", "echo lookup 1000 keys p50 under load",

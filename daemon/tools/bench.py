@@ -3,8 +3,10 @@ run on the same directory (raw I/O with the daemon's own thread counts and reque
 memcpy of the same bytes).
 
 Phases, in order: baselines; swap_out answered at "copied" (a stream, writes overlapping);
-swap_out answered at "persisted"; swap_in hot (the daemon as configured, right after the
-write: its host tier where it has one, and there only the newest batches that fit in it);
+swap_out answered at "persisted", one request after another; swap_in hot (the daemon as
+configured, right after the write: its host tier where it has one, and there only the newest
+batches that fit in it); swap_out answered at "persisted" with two requests in flight (two
+clients);
 swap_in cold (a second daemon on the same directory
 with no host tier and O_DIRECT reads, so no cache can serve it; or, only with
 ``drop_caches``, buffered reads after dropping the machine's page cache); swap_in warm (a
@@ -41,6 +43,7 @@ import numpy as np
 
 from kvswap.backends.host_arena import HostArena
 from kvswap.protocol import Busy, Client, HostKVCache, KvswapError
+from kvswap.protocol.limits import MAX_KEYS_PER_REQUEST
 
 from ..config import Config
 from ..deadline import CopyGuard, Deadline
@@ -54,6 +57,10 @@ from .presets import preset_layout
 CHUNK = 4 * 1024 * 1024
 ALIGN = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: Requests in flight in the "swap_out persisted, N in flight" row: an engine saving two
+#: sequences at once, which keeps the disk busy across each request's first copy and its
+#: answer (docs/operations.md, Performance).
+PERSISTED_DEPTH = 2
 #: Fewer samples than this and the p99 is just the worst one or two: the report says so.
 P99_MIN_SAMPLES = 100
 
@@ -513,6 +520,21 @@ def _swap_out_persisted(c: Client, keys: list[str], group: list[list[int]]) -> f
     return time.perf_counter() - t0
 
 
+def _swap_out_persisted_in_flight(endpoint: str, keys: list[str], group: list[list[int]], depth: int) -> float:
+    """One round of swap_outs answered "persisted", ``depth`` requests in flight: as many
+    clients (connections), each sending its share of the batches one after another, as
+    engine threads saving different sequences do; seconds until the last answer."""
+    def client(share: list[list[int]]) -> None:
+        with Client(endpoint, timeout=120) as c:
+            for ids in share:
+                _retry_busy(lambda: c.swap_out(ids, [keys[i] for i in ids], wait="persisted"))
+
+    with ThreadPoolExecutor(depth) as pool:
+        t0 = time.perf_counter()
+        list(pool.map(client, [group[i::depth] for i in range(depth)]))
+        return time.perf_counter() - t0
+
+
 class _CopiedStream:
     """swap_outs answered "copied" in rounds: each round streams its batches (the next request
     sent as the last is answered) and then flushes, timed until written; the time until the
@@ -663,6 +685,23 @@ def run_bench(preset: str = "small", blocks: int = 512, batch: int = 32, storage
                 report.add("swap_in hot (RAM tier)" if host_tier else "swap_in hot (no RAM tier)",
                            record * sum(map(len, hot)) / hot_s / 1e9, "GB/s", "memcpy", copy_gbps)
                 report.add("swap_in hot, blocks read", sum(map(len, hot)), "blocks")
+
+                say(f"swap_out, answered when persisted, {PERSISTED_DEPTH} in flight; {len(groups)} rounds "
+                    "alternated with raw writes")
+                keys_c = [f"c{tag}-{i}" for i in range(blocks)]
+                in_flight = Alternation()
+                raw_in_flight = fresh("-in-flight")
+                for group in groups:
+                    in_flight.round(_bytes(group, record), _bytes(group, raw_in_flight.request),
+                                    lambda: _swap_out_persisted_in_flight(daemon.endpoint, keys_c, group,
+                                                                          PERSISTED_DEPTH),
+                                    lambda: raw_in_flight.write(write_threads, group[0][0], _count(group)))
+                report.add(f"swap_out persisted, {PERSISTED_DEPTH} in flight", in_flight.gbps, "GB/s", alternated,
+                           in_flight.raw_gbps, rounds=in_flight.ratios)
+                # Deleted, so the directory holds what it held before: under a capacity cap they
+                # could push out keys_a, which the cold phase reads.
+                for i in range(0, len(keys_c), MAX_KEYS_PER_REQUEST):
+                    c.delete(keys_c[i:i + MAX_KEYS_PER_REQUEST])
 
                 say("ping and lookup latency under a swap_out stream, beside the echo floor")
                 under = _latency_under_stream(daemon.endpoint, c, token, keys_a, batches, tag, latency_samples)
