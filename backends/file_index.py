@@ -83,19 +83,21 @@ class RecordIndex:
         """How many leading names are indexed, or held by the caller (``also_present(i)``: a
         record still being written). Touches nothing: a hit prefix is touched as a whole, by
         :meth:`touch_chain`. On the loop, for every lookup: one C-level pass (``map`` of the
-        dict's membership test), Python only from the first name not stored on, as
-        RamTier.present_prefix does."""
-        with self._lock:
-            found = list(map(self._sizes.__contains__, names))
-            i = 0
-            while True:
-                try:
-                    i = found.index(False, i)
-                except ValueError:
-                    return len(names)
-                if names[i] not in self._stuck and not also_present(i):
-                    return i
-                i += 1
+        dict's membership test), Python only from the first name not stored on, and without the
+        lock, as RamTier.present_prefix: the write threads take it for every record, and a loop
+        that waited for it waited for their GIL hand-offs too. A lookup is a snapshot either way;
+        each membership test is atomic under the GIL, and the pass over the names runs in C
+        without letting go of it."""
+        found = list(map(self._sizes.__contains__, names))
+        i = 0
+        while True:
+            try:
+                i = found.index(False, i)
+            except ValueError:
+                return len(names)
+            if names[i] not in self._stuck and not also_present(i):
+                return i
+            i += 1
 
     def touch_chain(self, names: Sequence[str], reserve: bool = False) -> list[tuple[str, int]]:
         """See :meth:`ChainOrder.chain`: learn the links, stamp the chain head newest; with

@@ -94,6 +94,19 @@ def test_present_prefix_counts_stuck_records_and_what_the_caller_holds() -> None
     assert index.present_prefix([]) == 0
 
 
+def test_present_prefix_never_waits_for_the_index_lock() -> None:
+    """The loop answers lookups with it while write threads hold the lock for every record."""
+    index = RecordIndex()
+    for name in "abc":
+        index.add(name, 10)
+    answer: list[int] = []
+    with index._lock:  # a write thread in the middle of an add
+        reader = threading.Thread(target=lambda: answer.append(index.present_prefix(list("abcd"))))
+        reader.start()
+        reader.join(30)
+        assert answer == [3], "present_prefix waited for the lock"
+
+
 def test_the_cap_is_never_exceeded_and_recent_records_stay(tmp_path) -> None:
     store = open_store(tmp_path, records_cap=10)
     assert store.try_lead()
