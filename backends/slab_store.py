@@ -666,31 +666,31 @@ class SlabStore(FileStore):
             raise
         key = _loc(slab.index, slot)
         with self._lock:
-            gen = int(slab.gens[slot]) + 1
-            entry = journal.Entry(journal.PUT, slab.id, slot, gen, stamp, bytes.fromhex(name)).encode()
-            assert slab.journal_fd is not None
             try:
-                self.disk.append(slab.journal_fd, entry, durable=self.disk.fsync == "strict")
-            except OSError as exc:
-                self._release_slot(slab, slot)
-                self._leave_io_locked()
-                raise _io_error(exc, "write a journal entry", slab.journal_path) from None
-            slab.entries += 1
-            slab.gens[slot] = gen
-            slab.put_stamps[slot] = stamp
-            slab.names[slot] = name
-            held = self._where.get(name)
-            if held is not None and held != key:
-                if held != LEGACY and self._first_wins(held, key):
-                    self._lose(key, name)  # another daemon's newer copy stays
-                    self._leave_io_locked()
-                    return self.slot_bytes
-                self._lose(held, name)
-            self._where[name] = key
-            slab.live += 1
-            if not self._closing and self._compaction_due(slab):
-                self._compact_locked(slab)
-            self._leave_io_locked()
+                gen = int(slab.gens[slot]) + 1
+                entry = journal.Entry(journal.PUT, slab.id, slot, gen, stamp, bytes.fromhex(name)).encode()
+                assert slab.journal_fd is not None
+                try:
+                    self.disk.append(slab.journal_fd, entry, durable=self.disk.fsync == "strict")
+                except OSError as exc:
+                    self._release_slot(slab, slot)
+                    raise _io_error(exc, "write a journal entry", slab.journal_path) from None
+                slab.entries += 1
+                slab.gens[slot] = gen
+                slab.put_stamps[slot] = stamp
+                slab.names[slot] = name
+                held = self._where.get(name)
+                if held is not None and held != key:
+                    if held != LEGACY and self._first_wins(held, key):
+                        self._lose(key, name)  # another daemon's newer copy stays
+                        return self.slot_bytes
+                    self._lose(held, name)
+                self._where[name] = key
+                slab.live += 1
+                if not self._closing and self._compaction_due(slab):
+                    self._compact_locked(slab)
+            finally:
+                self._leave_io_locked()  # whatever happened: a section left open, close() never closes
         return self.slot_bytes
 
     def _remove_record(self, name: str) -> bool:
@@ -806,13 +806,13 @@ class SlabStore(FileStore):
         finally:
             self.index.unpin(name)
             with self._lock:
-                self._leave_io_locked()
                 self._reading[where] -= 1
                 if self._reading[where] <= 0:
                     del self._reading[where]
                     if where in self._deferred:
                         self._deferred.discard(where)
                         heapq.heappush(slab.free, slot)
+                self._leave_io_locked()  # last: it may close the slabs (a closed store's last I/O)
         self.index.touch(name)
         return GetStatus.LOADED
 

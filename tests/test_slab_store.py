@@ -189,6 +189,10 @@ def test_write_and_read_errors_are_typed_and_lose_nothing(root, monkeypatch) -> 
     with pytest.raises(NoSpace):
         store.put("k3", payload_for(3))
     monkeypatch.undo()
+    monkeypatch.setattr(store.disk, "append", _raise(errno.EIO))  # the slot written, its journal entry not
+    with pytest.raises(IOFailure):
+        store.put("k4", payload_for(4))
+    monkeypatch.undo()
     monkeypatch.setattr(store.disk, "read_at", _raise(errno.EIO))
     with pytest.raises(IOFailure):
         get(store, "kept")
@@ -198,8 +202,8 @@ def test_write_and_read_errors_are_typed_and_lose_nothing(root, monkeypatch) -> 
     store.put("k2", payload_for(2))  # the failed writes gave their slots back
     assert store.stats()["free_slots"] == free_before - 1
     assert set(on_disk(root)) == {"kept", "k2"}
-    # The failed writes and read ended their I/O sections too: the close lets go of the slab
-    # at once, and a restart adopts it rather than starting a second one.
+    # The failed writes (of the slot, of the journal entry) and read ended their I/O sections
+    # too: the close lets go of the slab at once, and a restart adopts it.
     store.close()
     again = open_store(root)
     assert again.stats()["slabs"] == 1 and again.stats()["slabs_owned"] == 1
