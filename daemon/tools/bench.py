@@ -526,8 +526,7 @@ def _swap_out_persisted_in_flight(endpoint: str, keys: list[str], group: list[li
     engine threads saving different sequences do; seconds until the last answer."""
     def client(share: list[list[int]]) -> None:
         with Client(endpoint, timeout=120) as c:
-            for ids in share:
-                _retry_busy(lambda: c.swap_out(ids, [keys[i] for i in ids], wait="persisted"))
+            _swap_out_persisted(c, keys, share)
 
     with ThreadPoolExecutor(depth) as pool:
         t0 = time.perf_counter()
